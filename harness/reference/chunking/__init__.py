@@ -1,0 +1,1 @@
+"""Chunking of MoE regions so that one chunk's token exchange overlaps another chunk's compute."""

@@ -1,0 +1,60 @@
+"""Eager chunking: run a region's body once per chunk, interleaved by the EP scheduler.
+
+The roots are the MoE layers (``"moe"``) or whole transformer blocks (``"block"``). Their forward is
+replaced, on the instance, by one that splits the input along the batch or sequence dim, runs the
+stages of every chunk in the scheduler's order, each under its chunk metadata (``chunk_id``, region
+fqn, role ``"body"``) and on buffer set ``chunk_id % num_buffer_sets``, and joins the chunk outputs
+with ``cat``. Parameter names do not change.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.fx.traceback as fx_traceback
+from torch import nn
+
+from harness.reference.chunking.schedule import EPScheduler
+from harness.reference.ep.exchange import region
+from harness.reference.model import DeepseekV3ForCausalLM, MoE
+
+SPLIT_DIMS = {"batch": 0, "seq": 1}
+
+
+def chunk_metadata(chunk: int, fqn: str) -> dict:
+    """The metadata contract shared with graph chunking; it lands in FX ``node.meta["custom"]``."""
+    return {"chunk_id": chunk, "region": fqn, "role": "body"}
+
+
+def run_chunked(module: nn.Module, fqn: str, layer: int, x: torch.Tensor, chunks: int, dim: int, scheduler: EPScheduler) -> torch.Tensor:
+    if x.shape[dim] % chunks:
+        raise ValueError(f"{fqn}: dim {dim} of size {x.shape[dim]} does not split into {chunks} chunks")
+    states = [{"x": part, "buffer_set": scheduler.buffer_set(c)} for c, part in enumerate(x.chunk(chunks, dim))]
+    stages = module.stages()
+    for chunk, index in scheduler.order([[stage.kind for stage in stages]] * chunks):
+        with region(layer=layer, chunk=chunk), fx_traceback.annotate(chunk_metadata(chunk, fqn)):
+            stages[index].run(states[chunk])
+    return torch.cat([state["out"] for state in states], dim)
+
+
+def apply_eager_chunking(
+    model: DeepseekV3ForCausalLM, *, chunks: int, roots: str = "moe", split: str = "batch", scheduler: EPScheduler
+) -> list[str]:
+    """Chunk every MoE region of ``model`` in place; return the fqns of the chunked roots."""
+    if roots not in ("moe", "block"):
+        raise ValueError(f"chunk roots must be 'moe' or 'block', got {roots!r}")
+    if roots == "block" and split != "batch":
+        raise ValueError("whole blocks can only be chunked along the batch: attention needs the full sequence")
+    dim = SPLIT_DIMS[split]
+    chunked = []
+    for i, layer in enumerate(model.model.layers):
+        if not isinstance(layer.mlp, MoE):
+            continue
+        root = layer.mlp if roots == "moe" else layer
+        fqn = f"model.layers.{i}" + (".mlp" if roots == "moe" else "")
+
+        def forward(x: torch.Tensor, root=root, fqn=fqn, layer_id=i) -> torch.Tensor:
+            return run_chunked(root, fqn, layer_id, x, chunks, dim, scheduler)
+
+        root.forward = forward
+        chunked.append(fqn)
+    return chunked

@@ -1,0 +1,1 @@
+"""MinimalAsyncEP-style expert-parallel token exchange: ops, per-rank exchange state, logical groups."""

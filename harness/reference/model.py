@@ -1,0 +1,453 @@
+"""DeepSeek-V3 for training tests: MLA attention, dense SwiGLU FFN, DeepSeekMoE with expert parallelism.
+
+Parameter names follow Hugging Face ``DeepseekV3ForCausalLM`` so that state dicts move between the
+two unchanged (experts are stored fused, ``gate_up_proj`` [E, 2I, D] and ``down_proj`` [E, D, I]).
+Under expert parallelism a model instance holds only its logical rank's slice of the routed
+experts; :meth:`DeepseekV3ForCausalLM.load_hf_state_dict` takes the full tensors and slices them.
+
+The MoE layer is written as a list of stages (compute, launch, wait) rather than one forward, so
+that the chunking code can interleave the stages of several chunks through the EP scheduler.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Any, Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from harness.reference.ep import ops as ep_ops
+from harness.reference.ep.exchange import current_exchange, region
+
+
+@dataclass(frozen=True)
+class DeepseekV3Config:
+    """Field names match ``transformers.DeepseekV3Config``; ``scoring_func`` adds softmax scoring."""
+
+    vocab_size: int = 256
+    hidden_size: int = 64
+    intermediate_size: int = 128
+    moe_intermediate_size: int = 32
+    num_hidden_layers: int = 3
+    num_attention_heads: int = 4
+    n_shared_experts: int = 1
+    n_routed_experts: int = 8
+    routed_scaling_factor: float = 1.0
+    kv_lora_rank: int = 32
+    q_lora_rank: int | None = 32
+    qk_rope_head_dim: int = 8
+    v_head_dim: int = 16
+    qk_nope_head_dim: int = 16
+    n_group: int = 2
+    topk_group: int = 1
+    num_experts_per_tok: int = 2
+    first_k_dense_replace: int = 1
+    norm_topk_prob: bool = True
+    scoring_func: str = "sigmoid"
+    hidden_act: str = "silu"
+    max_position_embeddings: int = 2048
+    initializer_range: float = 0.02
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    rope_interleave: bool = True
+    attention_bias: bool = False
+
+    @property
+    def qk_head_dim(self) -> int:
+        return self.qk_nope_head_dim + self.qk_rope_head_dim
+
+    def is_moe_layer(self, layer: int) -> bool:
+        return layer >= self.first_k_dense_replace
+
+
+CONFIGS: dict[str, DeepseekV3Config] = {
+    # 20 steps of two arms on 2 CPU ranks take seconds.
+    "cpu-tiny": DeepseekV3Config(),
+    # torchtitan's deepseek_v3 debugmodel shape, for GPUs.
+    "debugmodel": DeepseekV3Config(
+        vocab_size=2048,
+        hidden_size=256,
+        intermediate_size=1024,
+        moe_intermediate_size=256,
+        num_hidden_layers=6,
+        num_attention_heads=16,
+        n_shared_experts=2,
+        n_routed_experts=8,
+        kv_lora_rank=512,
+        q_lora_rank=None,
+        qk_rope_head_dim=64,
+        v_head_dim=128,
+        qk_nope_head_dim=128,
+        n_group=1,
+        topk_group=1,
+        num_experts_per_tok=3,
+        first_k_dense_replace=1,
+        routed_scaling_factor=1.0,
+    ),
+}
+
+
+def get_config(name: str, **overrides: Any) -> DeepseekV3Config:
+    if name not in CONFIGS:
+        raise KeyError(f"unknown model config {name!r}; known: {sorted(CONFIGS)}")
+    return replace(CONFIGS[name], **overrides)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)
+
+
+def rope_cos_sin(cfg: DeepseekV3Config, seq_len: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, cfg.qk_rope_head_dim, 2, device=device).float() / cfg.qk_rope_head_dim))
+    freqs = torch.outer(torch.arange(seq_len, device=device).float(), inv_freq)
+    return freqs.cos(), freqs.sin()
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool) -> torch.Tensor:
+    """Rotate ``x`` [B, H, L, R]; DeepSeek checkpoints store rotary dims as interleaved pairs."""
+    if interleaved:
+        x1, x2 = x[..., 0::2], x[..., 1::2]
+    else:
+        x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
+
+
+class MLAttention(nn.Module):
+    """Multi-head latent attention: queries (optionally low-rank) and a compressed shared KV latent."""
+
+    def __init__(self, cfg: DeepseekV3Config) -> None:
+        super().__init__()
+        self.cfg = cfg
+        heads, bias = cfg.num_attention_heads, cfg.attention_bias
+        if cfg.q_lora_rank is None:
+            self.q_proj = nn.Linear(cfg.hidden_size, heads * cfg.qk_head_dim, bias=False)
+        else:
+            self.q_a_proj = nn.Linear(cfg.hidden_size, cfg.q_lora_rank, bias=bias)
+            self.q_a_layernorm = RMSNorm(cfg.q_lora_rank, cfg.rms_norm_eps)
+            self.q_b_proj = nn.Linear(cfg.q_lora_rank, heads * cfg.qk_head_dim, bias=False)
+        self.kv_a_proj_with_mqa = nn.Linear(cfg.hidden_size, cfg.kv_lora_rank + cfg.qk_rope_head_dim, bias=bias)
+        self.kv_a_layernorm = RMSNorm(cfg.kv_lora_rank, cfg.rms_norm_eps)
+        self.kv_b_proj = nn.Linear(cfg.kv_lora_rank, heads * (cfg.qk_nope_head_dim + cfg.v_head_dim), bias=False)
+        self.o_proj = nn.Linear(heads * cfg.v_head_dim, cfg.hidden_size, bias=bias)
+        self.scaling = cfg.qk_head_dim**-0.5
+
+    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        cfg = self.cfg
+        bsz, seq, _ = x.shape
+        q = self.q_proj(x) if cfg.q_lora_rank is None else self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
+        q = q.view(bsz, seq, cfg.num_attention_heads, cfg.qk_head_dim).transpose(1, 2)
+        q_nope, q_rot = q.split([cfg.qk_nope_head_dim, cfg.qk_rope_head_dim], dim=-1)
+
+        kv_latent, k_rot = self.kv_a_proj_with_mqa(x).split([cfg.kv_lora_rank, cfg.qk_rope_head_dim], dim=-1)
+        kv = self.kv_b_proj(self.kv_a_layernorm(kv_latent))
+        kv = kv.view(bsz, seq, cfg.num_attention_heads, cfg.qk_nope_head_dim + cfg.v_head_dim).transpose(1, 2)
+        k_nope, v = kv.split([cfg.qk_nope_head_dim, cfg.v_head_dim], dim=-1)
+
+        cos, sin = rope
+        q_rot = apply_rope(q_rot, cos, sin, cfg.rope_interleave)
+        k_rot = apply_rope(k_rot.view(bsz, 1, seq, cfg.qk_rope_head_dim), cos, sin, cfg.rope_interleave)
+        q = torch.cat([q_nope, q_rot], dim=-1)
+        k = torch.cat([k_nope, k_rot.expand(-1, cfg.num_attention_heads, -1, -1)], dim=-1)
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scaling)
+        return self.o_proj(out.transpose(1, 2).reshape(bsz, seq, -1))
+
+
+class MLP(nn.Module):
+    """SwiGLU feed-forward, used for the dense layers and the shared experts."""
+
+    def __init__(self, hidden: int, inner: int) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden, inner, bias=False)
+        self.up_proj = nn.Linear(hidden, inner, bias=False)
+        self.down_proj = nn.Linear(inner, hidden, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class TopkRouter(nn.Module):
+    """DeepSeek-V3 router: sigmoid/softmax scores, score-correction bias, group-limited top-k."""
+
+    def __init__(self, cfg: DeepseekV3Config) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.weight = nn.Parameter(torch.empty(cfg.n_routed_experts, cfg.hidden_size))
+        self.register_buffer("e_score_correction_bias", torch.zeros(cfg.n_routed_experts))
+
+    def forward(self, x: torch.Tensor, forced_balanced: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        """Return (expert ids, weights), both [T, K]; weights carry the gradient to the router."""
+        cfg = self.cfg
+        logits = F.linear(x.float(), self.weight.float())
+        scores = logits.sigmoid() if cfg.scoring_func == "sigmoid" else logits.softmax(dim=-1)
+        if forced_balanced:
+            # torchtitan's moe_force_load_balance: the choice ignores the scores, so every expert
+            # gets exactly T*K/E assignments; scores are still gathered so the router learns.
+            ids = torch.arange(x.shape[0] * cfg.num_experts_per_tok, device=x.device)
+            ids = (ids % cfg.n_routed_experts).view(x.shape[0], cfg.num_experts_per_tok)
+        else:
+            ids = self._group_limited_topk(scores.detach())
+        weights = scores.gather(1, ids)
+        if cfg.norm_topk_prob:
+            weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+        return ids, weights * cfg.routed_scaling_factor
+
+    def _group_limited_topk(self, scores: torch.Tensor) -> torch.Tensor:
+        cfg = self.cfg
+        choice = scores + self.e_score_correction_bias
+        grouped = choice.view(-1, cfg.n_group, cfg.n_routed_experts // cfg.n_group)
+        group_scores = grouped.topk(min(2, grouped.shape[-1]), dim=-1)[0].sum(dim=-1)
+        top_groups = group_scores.topk(cfg.topk_group, dim=-1, sorted=False)[1]
+        group_mask = torch.zeros_like(group_scores).scatter_(1, top_groups, 1.0).bool()
+        expert_mask = group_mask.unsqueeze(-1).expand_as(grouped).reshape(-1, cfg.n_routed_experts)
+        return choice.masked_fill(~expert_mask, float("-inf")).topk(cfg.num_experts_per_tok, dim=-1, sorted=False)[1]
+
+
+class GroupedExperts(nn.Module):
+    """This logical rank's slice of the routed experts, fused as in Hugging Face."""
+
+    def __init__(self, cfg: DeepseekV3Config, num_local: int) -> None:
+        super().__init__()
+        self.gate_up_proj = nn.Parameter(torch.empty(num_local, 2 * cfg.moe_intermediate_size, cfg.hidden_size))
+        self.down_proj = nn.Parameter(torch.empty(num_local, cfg.hidden_size, cfg.moe_intermediate_size))
+
+    def forward(self, x: torch.Tensor, rows_per_expert: list[int]) -> torch.Tensor:
+        """``x`` is sorted by local expert; one matmul pair per expert, so no atomics anywhere."""
+        outs = []
+        for e, part in enumerate(x.split(rows_per_expert)):
+            gate, up = F.linear(part, self.gate_up_proj[e]).chunk(2, dim=-1)
+            outs.append(F.linear(F.silu(gate) * up, self.down_proj[e]))
+        return torch.cat(outs)
+
+
+@dataclass(frozen=True)
+class Stage:
+    """One step of a region body. The EP scheduler reorders stages of different chunks by ``kind``."""
+
+    kind: str  # "compute" | "launch" | "wait"
+    name: str
+    run: Callable[[dict], None]
+
+
+class MoE(nn.Module):
+    """DeepSeekMoE: shared experts plus top-k routed experts reached through the token exchange."""
+
+    def __init__(self, cfg: DeepseekV3Config, ep_rank: int, ep_size: int) -> None:
+        super().__init__()
+        if cfg.n_routed_experts % ep_size:
+            raise ValueError(f"EP degree {ep_size} does not divide n_routed_experts {cfg.n_routed_experts}")
+        self.cfg, self.ep_rank, self.ep_size = cfg, ep_rank, ep_size
+        self.num_local = cfg.n_routed_experts // ep_size
+        self.layer_id = -1  # set by the model; names the layer in exchange events
+        self.forced_balanced = True
+        self.gate = TopkRouter(cfg)
+        self.experts = GroupedExperts(cfg, self.num_local)
+        self.shared_experts = MLP(cfg.hidden_size, cfg.moe_intermediate_size * cfg.n_shared_experts)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        state = {"x": x, "buffer_set": 0}
+        with region(layer=self.layer_id, chunk=0):
+            for stage in self.stages():
+                stage.run(state)
+        return state["out"]
+
+    def stages(self) -> list[Stage]:
+        """The body as dispatch/combine launch-wait pairs with compute between them."""
+        return [
+            Stage("compute", "route", self._route),
+            Stage("launch", "dispatch", self._launch_dispatch),
+            Stage("compute", "shared_experts", self._shared),
+            Stage("wait", "dispatch", self._wait_dispatch),
+            Stage("compute", "experts", self._experts),
+            Stage("launch", "combine", self._launch_combine),
+            Stage("wait", "combine", self._wait_combine),
+            Stage("compute", "unpermute", self._unpermute),
+        ]
+
+    def _route(self, s: dict) -> None:
+        x = s["x"]
+        s["shape"] = x.shape
+        tokens = x.reshape(-1, x.shape[-1])
+        # One fan-out point for the router and the shared experts keeps the gradient sum into
+        # ``tokens`` two-way (commutative), so its bits do not depend on autograd's visit order.
+        local_in = tokens.view_as(tokens)
+        ids, weights = self.gate(local_in, self.forced_balanced)
+        s["local_in"], s["weights"] = local_in, weights
+        flat_ids = ids.flatten()
+        order = torch.argsort(flat_ids, stable=True)
+        s["order"] = order
+        per_expert = torch.bincount(flat_ids, minlength=self.cfg.n_routed_experts)
+        exchange = current_exchange()
+        recv_per_expert = exchange.exchange_counts(per_expert.view(self.ep_size, self.num_local))
+        s["send_counts"] = per_expert.view(self.ep_size, self.num_local).sum(1)
+        s["recv_counts"] = recv_per_expert.sum(1)
+        s["recv_per_expert"] = recv_per_expert
+        s["send"] = tokens.index_select(0, order // self.cfg.num_experts_per_tok)
+
+    def _launch_dispatch(self, s: dict) -> None:
+        s["pending"] = ep_ops.dispatch(s["send"], s["send_counts"], s["recv_counts"], s["buffer_set"])
+
+    def _shared(self, s: dict) -> None:
+        s["shared"] = self.shared_experts(s["local_in"])
+
+    def _wait_dispatch(self, s: dict) -> None:
+        s["received"] = ep_ops.wait_dispatch(s["pending"], s["buffer_set"])
+
+    def _experts(self, s: dict) -> None:
+        # Received rows are ordered (source rank, local expert); group them by local expert.
+        counts = s["recv_per_expert"]  # [ep_size, num_local]
+        local_expert = torch.arange(self.num_local).repeat(self.ep_size).repeat_interleave(counts.flatten())
+        by_expert = torch.argsort(local_expert.to(s["received"].device), stable=True)
+        out = self.experts(s["received"].index_select(0, by_expert), counts.sum(0).tolist())
+        s["expert_out"] = out.index_select(0, torch.argsort(by_expert))
+
+    def _launch_combine(self, s: dict) -> None:
+        s["pending"] = ep_ops.combine(s["expert_out"], s["recv_counts"], s["send_counts"], s["buffer_set"])
+
+    def _wait_combine(self, s: dict) -> None:
+        s["combined"] = ep_ops.wait_combine(s["pending"], s["buffer_set"])
+
+    def _unpermute(self, s: dict) -> None:
+        k = self.cfg.num_experts_per_tok
+        per_assignment = s["combined"].index_select(0, torch.argsort(s["order"]))
+        routed = (per_assignment.view(-1, k, per_assignment.shape[-1]) * s["weights"].unsqueeze(-1).to(per_assignment.dtype)).sum(1)
+        s["out"] = (routed + s["shared"]).view(s["shape"])
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: DeepseekV3Config, layer: int, ep_rank: int, ep_size: int) -> None:
+        super().__init__()
+        self.self_attn = MLAttention(cfg)
+        self.mlp = MoE(cfg, ep_rank, ep_size) if cfg.is_moe_layer(layer) else MLP(cfg.hidden_size, cfg.intermediate_size)
+        if isinstance(self.mlp, MoE):
+            self.mlp.layer_id = layer
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.rope: tuple[torch.Tensor, torch.Tensor] | None = None  # set per forward by the model
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        h = h + self.self_attn(self.input_layernorm(h), self.rope)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+    def stages(self) -> list[Stage]:
+        """A whole block as a chunkable region: attention folds into the MoE's first compute stage."""
+        moe_stages = self.mlp.stages()
+
+        def pre(s: dict) -> None:
+            s["h"] = s["x"] + self.self_attn(self.input_layernorm(s["x"]), self.rope)
+            s["x"] = self.post_attention_layernorm(s["h"])
+            moe_stages[0].run(s)
+
+        def post(s: dict) -> None:
+            moe_stages[-1].run(s)
+            s["out"] = s["h"] + s["out"]
+
+        return [Stage("compute", "attention+route", pre), *moe_stages[1:-1], Stage("compute", "unpermute+residual", post)]
+
+
+class DeepseekV3Model(nn.Module):
+    def __init__(self, cfg: DeepseekV3Config, ep_rank: int, ep_size: int) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i, ep_rank, ep_size) for i in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        rope = rope_cos_sin(self.cfg, input_ids.shape[1], input_ids.device)
+        h = self.embed_tokens(input_ids)
+        for layer in self.layers:
+            layer.rope = rope
+            h = layer(h)
+        return self.norm(h)
+
+
+class DeepseekV3ForCausalLM(nn.Module):
+    """The model of one logical EP rank: all dense weights, ``n_routed_experts / ep_size`` experts."""
+
+    def __init__(self, cfg: DeepseekV3Config, ep_rank: int = 0, ep_size: int = 1) -> None:
+        super().__init__()
+        self.cfg, self.ep_rank, self.ep_size = cfg, ep_rank, ep_size
+        self.model = DeepseekV3Model(cfg, ep_rank, ep_size)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(self.model(input_ids))
+
+    @property
+    def moe_layers(self) -> list[int]:
+        return [i for i in range(self.cfg.num_hidden_layers) if self.cfg.is_moe_layer(i)]
+
+    def set_forced_balanced(self, forced: bool) -> None:
+        for module in self.modules():
+            if isinstance(module, MoE):
+                module.forced_balanced = forced
+
+    def expert_parameters(self) -> list[nn.Parameter]:
+        """Parameters sharded over EP ranks (everything else is replicated)."""
+        return [p for m in self.modules() if isinstance(m, GroupedExperts) for p in m.parameters()]
+
+    def init_weights(self, generator: torch.Generator) -> None:
+        """Seeded initialisation of the *full* model's tensors, sliced to this rank's experts.
+
+        Every logical rank draws the same full tensors, so any process layout starts identically.
+        """
+        full = {}
+        for name, shape in self.full_shapes().items():
+            if name.endswith("layernorm.weight") or name.endswith("norm.weight"):
+                full[name] = torch.ones(shape)
+            elif name.endswith("e_score_correction_bias"):
+                full[name] = torch.zeros(shape)
+            else:
+                full[name] = torch.randn(shape, generator=generator) * self.cfg.initializer_range
+        self.load_hf_state_dict(full)
+
+    def full_shapes(self) -> dict[str, torch.Size]:
+        """Shapes of the Hugging Face state dict of the whole (unsharded) model, in a fixed order."""
+        shapes = {}
+        for name, tensor in self.state_dict().items():
+            shape = tensor.shape
+            if name.endswith(("experts.gate_up_proj", "experts.down_proj")):
+                shape = torch.Size([self.cfg.n_routed_experts, *shape[1:]])
+            shapes[name] = shape
+        return shapes
+
+    def load_hf_state_dict(self, full: dict[str, torch.Tensor]) -> None:
+        """Load a full Hugging Face ``DeepseekV3ForCausalLM`` state dict, keeping this rank's experts."""
+        own = self.state_dict()
+        missing = sorted(set(own) - set(full))
+        if missing:
+            raise KeyError(f"state dict lacks {missing[:3]}{'...' if len(missing) > 3 else ''}")
+        n_local = self.cfg.n_routed_experts // self.ep_size
+        sliced = {}
+        for name in own:
+            tensor = full[name]
+            if name.endswith(("experts.gate_up_proj", "experts.down_proj")):
+                tensor = tensor[self.ep_rank * n_local : (self.ep_rank + 1) * n_local]
+            sliced[name] = tensor
+        self.load_state_dict(sliced)
+
+
+def causal_lm_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten())
+
+
+__all__ = [
+    "CONFIGS",
+    "DeepseekV3Config",
+    "DeepseekV3ForCausalLM",
+    "MoE",
+    "Stage",
+    "causal_lm_loss",
+    "get_config",
+]

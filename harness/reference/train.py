@@ -1,0 +1,228 @@
+"""The training step of the reference, and the seam the harness drives.
+
+A :class:`Trainer` is built in every process of a run. It hosts the logical EP ranks of its
+process (data parallel = expert parallel, as in torchtitan's dp_shard=ep), one model replica and
+one thread each. A step runs forward, loss and backward on every logical rank, sums the replicated
+gradients over logical ranks in logical-rank order, clips by the global norm and steps AdamW.
+Loss and grad norm are reduced the same canonical way, so they are identical on every process
+and bitwise independent of how many processes host the EP group.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict, dataclass
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+
+from harness.reference.chunking.eager import apply_eager_chunking
+from harness.reference.chunking.schedule import EPScheduler
+from harness.reference.ep.exchange import EventSink, TokenExchange, bind
+from harness.reference.ep.group import LogicalGroup
+from harness.reference.model import DeepseekV3ForCausalLM, causal_lm_loss, get_config
+
+ROUTINGS = ("forced-balanced", "learned")
+CHUNKINGS = ("none", "eager")
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """Everything that defines one arm's training run."""
+
+    model: str = "cpu-tiny"
+    ep: int = 2  # logical EP degree, also the data-parallel degree
+    seed: int = 42
+    routing: str = "forced-balanced"
+    local_batch: int = 4
+    seq_len: int = 32
+    lr: float = 1e-3
+    max_norm: float = 1.0
+    chunking: str = "none"
+    chunks: int = 2
+    chunk_roots: str = "moe"
+    chunk_dim: str = "batch"
+    num_buffer_sets: int = 2
+    device: str = "cpu"
+    dtype: str = "float32"
+
+    def __post_init__(self) -> None:
+        if self.routing not in ROUTINGS:
+            raise ValueError(f"routing must be one of {ROUTINGS}, got {self.routing!r}")
+        if self.chunking not in CHUNKINGS:
+            raise ValueError(f"chunking must be one of {CHUNKINGS}, got {self.chunking!r}")
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {tuple(DTYPES)}, got {self.dtype!r}")
+        if self.ep < 1 or self.chunks < 1 or self.num_buffer_sets < 1:
+            raise ValueError("ep, chunks and num_buffer_sets must be >= 1")
+        n_experts = get_config(self.model).n_routed_experts
+        if n_experts % self.ep:
+            raise ValueError(f"EP degree {self.ep} does not divide the {n_experts} routed experts of {self.model}")
+
+
+def set_determinism(device: str) -> None:
+    """Deterministic kernels everywhere; one intra-op thread per CPU rank."""
+    if device == "cuda":
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+        torch.backends.cudnn.benchmark = False
+        torch.backends.cuda.matmul.allow_tf32 = False
+    else:
+        torch.set_num_threads(1)
+    torch.use_deterministic_algorithms(True)
+
+
+def synthetic_batch(config: TrainConfig, vocab: int, step: int, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """A learnable stream (each row counts up by its own stride), seeded by (seed, step, rank)."""
+    gen = torch.Generator().manual_seed(config.seed * 1_000_003 + step * 8_191 + rank)
+    start = torch.randint(vocab, (config.local_batch, 1), generator=gen)
+    stride = torch.randint(1, 8, (config.local_batch, 1), generator=gen)
+    tokens = (start + stride * torch.arange(config.seq_len + 1)) % vocab
+    return tokens[:, :-1], tokens[:, 1:]
+
+
+class _Replica:
+    """One logical rank: its model (dense weights replicated, its own experts), optimizer, exchange."""
+
+    def __init__(self, config: TrainConfig, group: LogicalGroup, rank: int, device: torch.device, sink: EventSink | None) -> None:
+        cfg = get_config(config.model)
+        self.model = DeepseekV3ForCausalLM(cfg, ep_rank=rank, ep_size=config.ep)
+        self.model.init_weights(torch.Generator().manual_seed(config.seed))
+        self.model.set_forced_balanced(config.routing == "forced-balanced")
+        self.model.to(device=device, dtype=DTYPES[config.dtype])
+        if config.chunking == "eager":
+            apply_eager_chunking(
+                self.model,
+                chunks=config.chunks,
+                roots=config.chunk_roots,
+                split=config.chunk_dim,
+                scheduler=EPScheduler(config.num_buffer_sets),
+            )
+        tokens = config.local_batch * config.seq_len // (config.chunks if config.chunking != "none" else 1)
+        rows = tokens * cfg.num_experts_per_tok
+        # Forced-balanced routing fixes the receive size exactly; learned routing may send a rank everything.
+        capacity = rows if config.routing == "forced-balanced" else rows * config.ep
+        self.exchange = TokenExchange(
+            group,
+            rank,
+            hidden=cfg.hidden_size,
+            capacity=capacity,
+            num_buffer_sets=config.num_buffer_sets,
+            dtype=DTYPES[config.dtype],
+            device=device,
+            event_sink=sink,
+        )
+        self.expert_params = self.model.expert_parameters()
+        expert_ids = {id(p) for p in self.expert_params}
+        self.dense_params = [p for p in self.model.parameters() if id(p) not in expert_ids]
+        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=config.lr, foreach=False)
+
+
+class Trainer:
+    """Drives the logical EP ranks of this process through training steps."""
+
+    def __init__(self, config: TrainConfig, event_sink: EventSink | None = None) -> None:
+        set_determinism(config.device)
+        self.config = config
+        self.group = LogicalGroup(config.ep)
+        self.logical_ranks = self.group.local_ranks
+        self.device = self._device()
+        self.cfg = get_config(config.model)
+        self.replicas = {r: _Replica(config, self.group, r, self.device, event_sink) for r in self.logical_ranks}
+        self.moe_layers = self.replicas[self.logical_ranks[0]].model.moe_layers
+        self._threads = ThreadPoolExecutor(len(self.logical_ranks)) if len(self.logical_ranks) > 1 else None
+
+    def _device(self) -> torch.device:
+        if self.config.device != "cuda":
+            return torch.device("cpu")
+        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)) % torch.cuda.device_count())
+
+    def describe(self) -> dict:
+        return {**asdict(self.config), "logical_ranks": self.logical_ranks, "moe_layers": self.moe_layers}
+
+    def step(self, step: int) -> dict:
+        start = time.perf_counter()
+        results = self._on_every_rank(lambda rank: self._rank_step(rank, step))
+        loss, grad_norm = results[self.logical_ranks[0]]
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        return {
+            "step": step,
+            "loss": loss,
+            "grad_norm": grad_norm,
+            "tokens": self.config.ep * self.config.local_batch * self.config.seq_len,
+            "step_time_s": time.perf_counter() - start,
+        }
+
+    def close(self) -> None:
+        if self._threads is not None:
+            self._threads.shutdown()
+
+    def _on_every_rank(self, fn: Callable[[int], tuple[float, float]]) -> dict[int, tuple[float, float]]:
+        if self._threads is None:
+            return {r: fn(r) for r in self.logical_ranks}
+
+        def guarded(rank: int) -> tuple[float, float]:
+            # Backward of CUDA ops must stay on this thread, or the logical ranks' exchanges
+            # would queue behind each other on autograd's single device thread.
+            with torch.autograd.set_multithreading_enabled(False):
+                try:
+                    return fn(rank)
+                except BaseException as exc:
+                    self.group.abort(exc)
+                    raise
+
+        futures = {r: self._threads.submit(guarded, r) for r in self.logical_ranks}
+        return {r: f.result() for r, f in futures.items()}
+
+    def _rank_step(self, rank: int, step: int) -> tuple[float, float]:
+        replica = self.replicas[rank]
+        replica.exchange.step = step
+        inputs, labels = synthetic_batch(self.config, self.cfg.vocab_size, step, rank)
+        with bind(replica.exchange):
+            logits = replica.model(inputs.to(self.device))
+            loss = causal_lm_loss(logits, labels.to(self.device))
+            (loss / self.config.ep).backward()
+        self._sum_dense_grads(rank, replica)
+        grad_norm = self._clip_by_global_norm(rank, replica)
+        replica.optimizer.step()
+        replica.optimizer.zero_grad(set_to_none=True)
+        losses = self.group.all_gather(rank, loss.detach().float().reshape(()))
+        global_loss = torch.stack(losses).sum() / self.config.ep
+        return float(global_loss), float(grad_norm)
+
+    def _sum_dense_grads(self, rank: int, replica: _Replica) -> None:
+        flat = torch.cat([p.grad.flatten() for p in replica.dense_params])
+        total = torch.stack(self.group.all_gather(rank, flat)).sum(0)
+        for p, g in zip(replica.dense_params, total.split([p.numel() for p in replica.dense_params])):
+            p.grad.copy_(g.view_as(p))
+
+    def _clip_by_global_norm(self, rank: int, replica: _Replica) -> torch.Tensor:
+        dense = torch.stack([torch.linalg.vector_norm(p.grad.float()) for p in replica.dense_params])
+        experts = torch.stack([torch.linalg.vector_norm(p.grad.float()) for p in replica.expert_params])
+        per_rank_experts = self.group.all_gather(rank, experts)
+        norm = torch.linalg.vector_norm(torch.cat([dense, *per_rank_experts]))
+        scale = (self.config.max_norm / (norm + 1e-6)).clamp(max=1.0)
+        for p in replica.model.parameters():
+            p.grad.mul_(scale.to(p.grad.dtype))
+        return norm
+
+
+def print_trajectory(config: TrainConfig, steps: int) -> None:
+    """Train for ``steps`` and print ``{step, loss, grad_norm}`` JSON lines (exact floats) on rank 0."""
+    if "RANK" in os.environ:
+        dist.init_process_group("gloo" if config.device == "cpu" else "nccl")
+    trainer = Trainer(config)
+    try:
+        for step in range(steps):
+            record = trainer.step(step)
+            if not dist.is_initialized() or dist.get_rank() == 0:
+                print(json.dumps({k: record[k] for k in ("step", "loss", "grad_norm")}), flush=True)
+    finally:
+        trainer.close()
+        if dist.is_initialized():
+            dist.destroy_process_group()
