@@ -28,6 +28,8 @@ from harness.reference.model import DeepseekV3ForCausalLM, causal_lm_loss, get_c
 
 ROUTINGS = ("forced-balanced", "learned")
 CHUNKINGS = ("none", "eager")
+# Called with (logical rank, step, {param name: gradient}) once gradients are final, before clipping.
+GradSink = Callable[[int, int, dict], None]
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
@@ -125,9 +127,12 @@ class _Replica:
 class Trainer:
     """Drives the logical EP ranks of this process through training steps."""
 
-    def __init__(self, config: TrainConfig, event_sink: EventSink | None = None) -> None:
+    def __init__(
+        self, config: TrainConfig, event_sink: EventSink | None = None, grad_sink: GradSink | None = None
+    ) -> None:
         set_determinism(config.device)
         self.config = config
+        self.grad_sink = grad_sink
         self.group = LogicalGroup(config.ep)
         self.logical_ranks = self.group.local_ranks
         self.device = self._device()
@@ -188,6 +193,8 @@ class Trainer:
             loss = causal_lm_loss(logits, labels.to(self.device))
             (loss / self.config.ep).backward()
         self._sum_dense_grads(rank, replica)
+        if self.grad_sink is not None:
+            self.grad_sink(rank, step, {n: p.grad for n, p in replica.model.named_parameters()})
         grad_norm = self._clip_by_global_norm(rank, replica)
         replica.optimizer.step()
         replica.optimizer.zero_grad(set_to_none=True)

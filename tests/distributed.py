@@ -1,0 +1,31 @@
+"""Run a function on real gloo ranks in fresh processes and collect what each rank returns."""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+
+def _rank_main(rank: int, world: int, store_dir: str, fn: Callable, args: tuple) -> None:
+    os.environ.update({"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world)})
+    torch.set_num_threads(1)
+    store = dist.FileStore(os.path.join(store_dir, "store"), world)
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=world)
+    try:
+        result = fn(*args)
+        torch.save(result, os.path.join(store_dir, f"result{rank}.pt"))
+    finally:
+        dist.destroy_process_group()
+
+
+def run_on_ranks(world: int, fn: Callable, *args: Any) -> list[Any]:
+    """``fn(*args)`` on ``world`` gloo ranks; returns the per-rank results in rank order."""
+    with tempfile.TemporaryDirectory() as store_dir:
+        mp.start_processes(_rank_main, args=(world, store_dir, fn, args), nprocs=world, start_method="spawn")
+        return [torch.load(Path(store_dir) / f"result{r}.pt") for r in range(world)]
