@@ -20,6 +20,7 @@ def main() -> None:
     parser.add_argument("--chunks", type=int, default=1, help="eager-chunk the MoE layers into this many chunks")
     parser.add_argument("--routing", choices=ROUTINGS, default="forced-balanced")
     parser.add_argument("--model", default="cpu-tiny")
+    parser.add_argument("--timing", action="store_true", help="add step_time_s to every line")
     args = parser.parse_args()
     ranks = args.ranks or args.ep
     if args.ep % ranks:
@@ -32,12 +33,12 @@ def main() -> None:
         chunks=args.chunks,
     )
     if ranks == 1:
-        print_trajectory(config, args.steps)
+        print_trajectory(config, args.steps, args.timing)
         return
     launch = LaunchConfig(
         min_nodes=1, max_nodes=1, nproc_per_node=ranks, rdzv_backend="c10d", rdzv_endpoint="localhost:0", max_restarts=0
     )
-    elastic_launch(launch, print_trajectory)(config, args.steps)
+    elastic_launch(launch, print_trajectory)(config, args.steps, args.timing)
 
 
 if __name__ == "__main__":

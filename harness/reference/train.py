@@ -219,8 +219,9 @@ class Trainer:
         return norm
 
 
-def print_trajectory(config: TrainConfig, steps: int) -> None:
+def print_trajectory(config: TrainConfig, steps: int, timing: bool = False) -> None:
     """Train for ``steps`` and print ``{step, loss, grad_norm}`` JSON lines (exact floats) on rank 0."""
+    fields = ("step", "loss", "grad_norm", "step_time_s") if timing else ("step", "loss", "grad_norm")
     if "RANK" in os.environ:
         dist.init_process_group("gloo" if config.device == "cpu" else "nccl")
     trainer = Trainer(config)
@@ -228,7 +229,7 @@ def print_trajectory(config: TrainConfig, steps: int) -> None:
         for step in range(steps):
             record = trainer.step(step)
             if not dist.is_initialized() or dist.get_rank() == 0:
-                print(json.dumps({k: record[k] for k in ("step", "loss", "grad_norm")}), flush=True)
+                print(json.dumps({k: record[k] for k in fields}), flush=True)
     finally:
         trainer.close()
         if dist.is_initialized():
