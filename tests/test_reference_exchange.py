@@ -91,7 +91,7 @@ def test_launch_and_wait_ops_survive_make_fx_and_dead_code_elimination() -> None
     counts = torch.tensor([8])
 
     def fn(x: torch.Tensor) -> torch.Tensor:
-        ops.wait_dispatch(ops.dispatch(x, counts, counts, 1), 1)  # result unused on purpose
+        ops.wait_dispatch(ops.dispatch(x, counts, counts, 8, 1), 1)  # result unused on purpose
         return x * 2
 
     with bind(exchange):

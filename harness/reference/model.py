@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from harness.reference.ep import ops as ep_ops
-from harness.reference.ep.exchange import current_exchange, region
+from harness.reference.ep.exchange import region
 
 
 @dataclass(frozen=True)
@@ -284,18 +284,17 @@ class MoE(nn.Module):
         ids, weights = self.gate(local_in, self.forced_balanced)
         s["local_in"], s["weights"] = local_in, weights
         flat_ids = ids.flatten()
-        order = torch.argsort(flat_ids, stable=True)
-        s["order"] = order
-        per_expert = torch.bincount(flat_ids, minlength=self.cfg.n_routed_experts)
-        exchange = current_exchange()
-        recv_per_expert = exchange.exchange_counts(per_expert.view(self.ep_size, self.num_local))
-        s["send_counts"] = per_expert.view(self.ep_size, self.num_local).sum(1)
-        s["recv_counts"] = recv_per_expert.sum(1)
-        s["recv_per_expert"] = recv_per_expert
-        s["send"] = tokens.index_select(0, order // self.cfg.num_experts_per_tok)
+        s["order"] = torch.argsort(flat_ids, stable=True)
+        per_expert = F.one_hot(flat_ids, self.cfg.n_routed_experts).sum(0).view(self.ep_size, self.num_local)
+        s["recv_per_expert"] = ep_ops.exchange_counts(per_expert)  # [source rank, local expert]
+        s["send_counts"] = per_expert.sum(1)
+        s["recv_counts"] = s["recv_per_expert"].sum(1)
+        s["send"] = tokens.index_select(0, s["order"] // self.cfg.num_experts_per_tok)
+        # Forced-balanced routing receives exactly what it sends: static shapes, so it traces.
+        s["recv_rows"] = s["send"].shape[0] if self.forced_balanced else int(s["recv_counts"].sum())
 
     def _launch_dispatch(self, s: dict) -> None:
-        s["pending"] = ep_ops.dispatch(s["send"], s["send_counts"], s["recv_counts"], s["buffer_set"])
+        s["pending"] = ep_ops.dispatch(s["send"], s["send_counts"], s["recv_counts"], s["recv_rows"], s["buffer_set"])
 
     def _shared(self, s: dict) -> None:
         s["shared"] = self.shared_experts(s["local_in"])
@@ -304,15 +303,20 @@ class MoE(nn.Module):
         s["received"] = ep_ops.wait_dispatch(s["pending"], s["buffer_set"])
 
     def _experts(self, s: dict) -> None:
-        # Received rows are ordered (source rank, local expert); group them by local expert.
-        counts = s["recv_per_expert"]  # [ep_size, num_local]
-        local_expert = torch.arange(self.num_local).repeat(self.ep_size).repeat_interleave(counts.flatten())
-        by_expert = torch.argsort(local_expert.to(s["received"].device), stable=True)
-        out = self.experts(s["received"].index_select(0, by_expert), counts.sum(0).tolist())
+        # Received rows come ordered (source rank, local expert); regroup them by local expert.
+        counts = s["recv_per_expert"]
+        rows = s["received"].shape[0]
+        block = torch.searchsorted(counts.flatten().cumsum(0), torch.arange(rows, device=counts.device), right=True)
+        by_expert = torch.argsort(block % self.num_local, stable=True).to(s["received"].device)
+        if self.forced_balanced:
+            rows_per_expert = [rows // self.num_local] * self.num_local
+        else:
+            rows_per_expert = counts.sum(0).tolist()
+        out = self.experts(s["received"].index_select(0, by_expert), rows_per_expert)
         s["expert_out"] = out.index_select(0, torch.argsort(by_expert))
 
     def _launch_combine(self, s: dict) -> None:
-        s["pending"] = ep_ops.combine(s["expert_out"], s["recv_counts"], s["send_counts"], s["buffer_set"])
+        s["pending"] = ep_ops.combine(s["expert_out"], s["recv_counts"], s["send_counts"], s["send"].shape[0], s["buffer_set"])
 
     def _wait_combine(self, s: dict) -> None:
         s["combined"] = ep_ops.wait_combine(s["pending"], s["buffer_set"])

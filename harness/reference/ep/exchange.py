@@ -113,7 +113,13 @@ class TokenExchange:
         return received
 
     def launch(
-        self, op_name: str, x: torch.Tensor, send_counts: torch.Tensor, recv_counts: torch.Tensor, buffer_set: int
+        self,
+        op_name: str,
+        x: torch.Tensor,
+        send_counts: torch.Tensor,
+        recv_counts: torch.Tensor,
+        recv_rows: int,
+        buffer_set: int,
     ) -> torch.Tensor:
         if not 0 <= buffer_set < self.num_buffer_sets:
             raise ValueError(f"buffer_set {buffer_set} outside the {self.num_buffer_sets} preallocated sets")
@@ -121,6 +127,8 @@ class TokenExchange:
         pool = self.pools[key]
         recv = recv_counts.tolist()
         rows = sum(recv)
+        if rows != recv_rows:
+            raise RuntimeError(f"{op_name}: the counts say {rows} rows arrive, the caller expects {recv_rows}")
         if rows > pool.shape[0]:
             raise RuntimeError(f"{op_name}: {rows} rows exceed the receive pool capacity {pool.shape[0]}")
         earlier = self._in_flight.get(key)

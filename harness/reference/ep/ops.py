@@ -1,7 +1,7 @@
 """MinimalAsyncEP-style token exchange as separate launch and wait custom ops.
 
 Launch ops (``dispatch``, ``dispatch_data``, ``combine``, ``combine_data``) start an exchange into
-the receive pool of ``buffer_set`` and return a placeholder shaped like the received rows; its
+the receive pool of ``buffer_set`` and return a placeholder of ``recv_rows`` rows; its
 contents mean nothing until the matching wait op (``wait_<launch>``) returns the landed rows.
 The placeholder carries the data dependency and the gradient from wait back to launch.
 
@@ -26,8 +26,12 @@ REVERSE = {"dispatch": "combine_data", "combine": "dispatch_data"}
 
 def _define_launch(name: str):
     @torch.library.custom_op(f"{NAMESPACE}::{name}", mutates_args=())
-    def launch(x: Tensor, send_counts: Tensor, recv_counts: Tensor, buffer_set: int = 0) -> Tensor:
-        return current_exchange().launch(name, x, send_counts, recv_counts, buffer_set)
+    def launch(x: Tensor, send_counts: Tensor, recv_counts: Tensor, recv_rows: int, buffer_set: int = 0) -> Tensor:
+        return current_exchange().launch(name, x, send_counts, recv_counts, recv_rows, buffer_set)
+
+    @launch.register_fake
+    def _(x: Tensor, send_counts: Tensor, recv_counts: Tensor, recv_rows: int, buffer_set: int = 0) -> Tensor:
+        return x.new_empty((recv_rows, x.shape[-1]))
 
     return launch
 
@@ -37,6 +41,10 @@ def _define_wait(name: str):
     def wait(pending: Tensor, buffer_set: int = 0) -> Tensor:
         return current_exchange().wait(name, pending, buffer_set)
 
+    @wait.register_fake
+    def _(pending: Tensor, buffer_set: int = 0) -> Tensor:
+        return torch.empty_like(pending)
+
     return wait
 
 
@@ -44,8 +52,23 @@ _launch = {name: _define_launch(name) for name in LAUNCH_OPS}
 _wait = {name: _define_wait(name) for name in LAUNCH_OPS}
 
 
+@torch.library.custom_op(f"{NAMESPACE}::exchange_counts", mutates_args=())
+def exchange_counts(counts: Tensor) -> Tensor:
+    """Per-expert token counts [EP, local experts] out, the counts for this rank's experts in.
+
+    Blocking, and deliberately not a token-exchange marker: it sizes the exchange, moves no tokens.
+    """
+    return current_exchange().exchange_counts(counts)
+
+
+@exchange_counts.register_fake
+def _(counts: Tensor) -> Tensor:
+    return torch.empty_like(counts)
+
+
 def _save_launch_context(ctx, inputs, output) -> None:
-    _, ctx.send_counts, ctx.recv_counts, ctx.buffer_set = inputs
+    x, ctx.send_counts, ctx.recv_counts, _, ctx.buffer_set = inputs
+    ctx.send_rows = x.shape[0]
     ctx.region = current_region()
 
 
@@ -54,8 +77,8 @@ def _reverse_backward(name: str):
 
     def backward(ctx, grad: Tensor):
         with region(**{**ctx.region, "phase": "bwd"}):
-            pending = _launch[reverse](grad.contiguous(), ctx.recv_counts, ctx.send_counts, ctx.buffer_set)
-            return _wait[reverse](pending, ctx.buffer_set), None, None, None
+            pending = _launch[reverse](grad.contiguous(), ctx.recv_counts, ctx.send_counts, ctx.send_rows, ctx.buffer_set)
+            return _wait[reverse](pending, ctx.buffer_set), None, None, None, None
 
     return backward
 

@@ -1,0 +1,249 @@
+"""Golden trajectories: reference metrics per suite and environment, validated on load, replaced atomically.
+
+Pairwise parity catches a change that breaks the arms' equivalence; a golden catches both arms
+drifting together (a model change, a toolchain upgrade). Numerics depend on hardware and
+toolchain, so goldens are keyed by environment, as Megatron keys them by GPU and container, and an
+update shows a reviewer what moved (diff_summary) before it lands.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pandas as pd
+
+from harness.compare import CheckResult, Exact, Tier, compare_arms, compare_series, format_steps, tier_from_spec
+from harness.records import write_json_atomic
+
+SCHEMA = 1
+PROVENANCE_KEYS = ("torch", "device", "backend", "dtype", "harness", "git_sha", "date")
+_TOP_KEYS = {"schema", "suite", "env_key", "provenance", "tier", "arms"}
+_TRAJECTORY_KEYS = {"start_step", "end_step", "values"}
+
+
+class GoldenError(Exception):
+    """A golden that cannot be used; the one-line message names the file and the bad field."""
+
+    def __init__(self, path: Path | str, field: str | None, msg: str) -> None:
+        self.path, self.field = path, field
+        super().__init__(f"{path}: {field}: {msg}" if field else f"{path}: {msg}")
+
+
+@dataclass(eq=False)
+class Golden:
+    """A parsed golden file; trajectories are float64 Series indexed by step."""
+
+    suite: str
+    env_key: str
+    provenance: dict[str, str]
+    tier: dict
+    arms: dict[str, dict[str, pd.Series]]
+
+    def to_dict(self) -> dict:
+        arms = {arm: {m: _trajectory(s) for m, s in metrics.items()} for arm, metrics in self.arms.items()}
+        return {
+            "schema": SCHEMA,
+            "suite": self.suite,
+            "env_key": self.env_key,
+            "provenance": dict(self.provenance),
+            "tier": dict(self.tier),
+            "arms": arms,
+        }
+
+
+def _slug(what: str, value: str) -> str:
+    slug = re.sub(r"[^a-z0-9.]+", "-", value.lower()).strip("-")
+    if not slug:
+        raise ValueError(f"env_key: {what} {value!r} is empty")
+    return slug
+
+
+def env_key(device: str, backend: str, dtype: str, torch_version: str) -> str:
+    """Names the environment a golden is valid for: "cpu-gloo-float32-torch2.13", "cuda-h200-nccl-bfloat16-torch2.13".
+
+    device is the device class ("cpu", or a GPU class such as "cuda-h200"); only torch's
+    major.minor counts, since patch releases rarely move numerics and would churn goldens.
+    """
+    match = re.match(r"(\d+)\.(\d+)", torch_version)
+    if not match:
+        raise ValueError(f"env_key: torch version {torch_version!r} does not start with major.minor")
+    dtype = dtype.removeprefix("torch.")
+    parts = [_slug("device", device), _slug("backend", backend), _slug("dtype", dtype)]
+    return "-".join(parts + [f"torch{match[1]}.{match[2]}"])
+
+
+def _trajectory(series: pd.Series) -> dict:
+    """The file form of one metric; a missing value is "nan", as in Megatron's goldens."""
+    series = series.astype("float64").sort_index()
+    values = {str(int(step)): float(v) if math.isfinite(v) else "nan" for step, v in series.items()}
+    return {"start_step": int(series.index.min()), "end_step": int(series.index.max()), "values": values}
+
+
+def _parse_trajectory(source: Any, field: str, obj: Any) -> pd.Series:
+    if not isinstance(obj, dict):
+        raise GoldenError(source, field, "expected an object with start_step, end_step, values")
+    unknown = sorted(set(obj) - _TRAJECTORY_KEYS)
+    if unknown:
+        raise GoldenError(source, f"{field}.{unknown[0]}", "unknown field")
+    for key in ("start_step", "end_step"):
+        if isinstance(obj.get(key), bool) or not isinstance(obj.get(key), int):
+            raise GoldenError(source, f"{field}.{key}", f"expected an integer, got {obj.get(key)!r}")
+    values = obj.get("values")
+    if not isinstance(values, dict) or not values:
+        raise GoldenError(source, f"{field}.values", "expected a mapping of step -> float")
+    parsed = {}
+    for key, value in values.items():
+        if not re.fullmatch(r"0|-?[1-9][0-9]*", key):
+            raise GoldenError(source, f"{field}.values", f"step {key!r} is not an integer")
+        finite = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+        if not finite and value != "nan":
+            raise GoldenError(source, f"{field}.values.{key}", f'expected a finite number or "nan", got {value!r}')
+        parsed[int(key)] = math.nan if value == "nan" else float(value)
+    if (obj["start_step"], obj["end_step"]) != (min(parsed), max(parsed)):
+        raise GoldenError(
+            source, field, f"start_step/end_step {obj['start_step']}/{obj['end_step']} do not match the steps {min(parsed)}..{max(parsed)}"
+        )
+    series = pd.Series(parsed, dtype="float64").sort_index()
+    series.index.name = "step"
+    return series
+
+
+def _parse(obj: Any, source: Any) -> Golden:
+    """Validates the file form of a golden; every error names the field."""
+    if not isinstance(obj, dict):
+        raise GoldenError(source, None, "expected a JSON object")
+    unknown = sorted(set(obj) - _TOP_KEYS)
+    if unknown:
+        raise GoldenError(source, unknown[0], "unknown field")
+    if obj.get("schema") != SCHEMA:
+        raise GoldenError(source, "schema", f"expected {SCHEMA}, got {obj.get('schema')!r}")
+    for key in ("suite", "env_key"):
+        if not isinstance(obj.get(key), str) or not obj[key]:
+            raise GoldenError(source, key, f"expected a non-empty string, got {obj.get(key)!r}")
+    provenance = obj.get("provenance")
+    if not isinstance(provenance, dict):
+        raise GoldenError(source, "provenance", "expected an object")
+    for key in PROVENANCE_KEYS:
+        if not isinstance(provenance.get(key), str):
+            raise GoldenError(source, f"provenance.{key}", f"expected a string, got {provenance.get(key)!r}")
+    if not isinstance(obj.get("tier"), dict):
+        raise GoldenError(source, "tier", "expected an object such as {\"kind\": \"exact\"}")
+    try:
+        tier = tier_from_spec(obj["tier"]).spec()
+    except ValueError as e:
+        raise GoldenError(source, "tier", str(e)) from e
+    arms = obj.get("arms")
+    if not isinstance(arms, dict) or not arms:
+        raise GoldenError(source, "arms", "expected a non-empty mapping of arm -> metric -> trajectory")
+    parsed: dict[str, dict[str, pd.Series]] = {}
+    for arm, metrics in arms.items():
+        if not isinstance(metrics, dict) or not metrics:
+            raise GoldenError(source, f"arms.{arm}", "expected a non-empty mapping of metric -> trajectory")
+        parsed[arm] = {m: _parse_trajectory(source, f"arms.{arm}.{m}", t) for m, t in metrics.items()}
+    return Golden(obj["suite"], obj["env_key"], dict(provenance), tier, parsed)
+
+
+def load_golden(path: Path) -> Golden:
+    """Reads and validates a golden file; its env_key must match the file name."""
+    path = Path(path)
+    try:
+        obj = json.loads(path.read_text(encoding="utf-8"))
+    except OSError as e:
+        raise GoldenError(path, None, f"cannot read: {e.strerror}") from e
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise GoldenError(path, None, f"invalid JSON: {e}") from e
+    golden = _parse(obj, path)
+    if golden.env_key != path.stem:
+        raise GoldenError(path, "env_key", f"{golden.env_key!r} does not match the file name {path.name!r}")
+    return golden
+
+
+def golden_from_metrics(
+    suite: str,
+    env_key: str,
+    provenance: dict[str, str],
+    tier_spec: dict,
+    metrics: dict[str, pd.DataFrame],
+    metrics_names: tuple[str, ...] = ("loss", "grad_norm"),
+) -> Golden:
+    """Builds a golden from a run's per-arm metrics; refuses missing or non-finite values."""
+    arms = {}
+    for arm, frame in metrics.items():
+        for name in metrics_names:
+            if name not in frame.columns:
+                raise ValueError(f"cannot record golden: arm '{arm}' has no '{name}' metric")
+            bad = frame.index[~np.isfinite(frame[name].astype("float64"))].tolist()
+            if bad:
+                raise ValueError(f"cannot record golden: arm '{arm}' {name} is non-finite at steps {format_steps(bad)}")
+        arms[arm] = {name: _trajectory(frame[name]) for name in metrics_names}
+    obj = {
+        "schema": SCHEMA,
+        "suite": suite,
+        "env_key": env_key,
+        "provenance": dict(provenance),
+        "tier": tier_from_spec(tier_spec).spec(),
+        "arms": arms,
+    }
+    return _parse(obj, f"new golden {suite}/{env_key}")
+
+
+def write_golden(path: Path, golden: Golden) -> None:
+    """Writes atomically, so a crash mid-update leaves the previous golden intact."""
+    path = Path(path)
+    if path.stem != golden.env_key:
+        raise ValueError(f"{path}: file name must be {golden.env_key}.json to match the golden's env_key")
+    write_json_atomic(path, golden.to_dict())
+
+
+def compare_to_golden(golden: Golden, metrics: dict[str, pd.DataFrame], tier: Tier) -> list[CheckResult]:
+    """One check per (arm, metric) in the golden, named "golden:<arm>:<metric>"; run arms with no golden are skipped."""
+    results = []
+    for arm, trajectories in golden.arms.items():
+        for metric, expected in trajectories.items():
+            name = f"golden:{arm}:{metric}"
+            if arm not in metrics:
+                results.append(CheckResult(name, tier.kind, "fail", f"arm '{arm}' is in the golden but not in this run"))
+                continue
+            results.append(compare_arms(name, metrics[arm], expected.to_frame(metric), metric, tier, arm, "golden"))
+    for arm in sorted(metrics.keys() - golden.arms.keys()):
+        results.append(CheckResult(f"golden:{arm}", tier.kind, "skip", f"no golden for arm '{arm}' in {golden.env_key}"))
+    return results
+
+
+def _identical(a: pd.Series, b: pd.Series) -> bool:
+    return a.index.equals(b.index) and np.array_equal(a.to_numpy().view(np.int64), b.to_numpy().view(np.int64))
+
+
+def diff_summary(old: Golden | None, new: Golden) -> str:
+    """What an update changes, per arm and metric, for a reviewer: "unchanged", "new", "removed" or where it moved."""
+    lines = [f"golden {new.suite}/{new.env_key}: {'new file' if old is None else 'update'}"]
+    old_arms = old.arms if old is not None else {}
+    if old is not None:
+        for key in sorted(old.provenance.keys() | new.provenance.keys()):
+            before, after = old.provenance.get(key), new.provenance.get(key)
+            if before != after:
+                lines.append(f"  provenance.{key}: {before} -> {after}")
+        if old.tier != new.tier:
+            lines.append(f"  tier: {old.tier} -> {new.tier}")
+    for arm, metrics in new.arms.items():
+        for metric, after in metrics.items():
+            label = f"{arm}/{metric}"
+            before = old_arms.get(arm, {}).get(metric)
+            if before is None:
+                lines.append(f"  {label}: new ({after.size} steps, {after.index.min()}..{after.index.max()})")
+            elif _identical(before, after):
+                lines.append(f"  {label}: unchanged ({after.size} steps)")
+            else:
+                result = compare_series(label, after, before, Exact(), label_a="new", label_b="old")
+                lines.append(f"  {label}: changed: {result.detail}")
+    for arm, metrics in old_arms.items():
+        for metric in metrics:
+            if metric not in new.arms.get(arm, {}):
+                lines.append(f"  {arm}/{metric}: removed")
+    return "\n".join(lines)

@@ -1,0 +1,254 @@
+"""Token-exchange invariants, checked on the launch/wait events each rank records (ARCHITECTURE §5).
+
+Each check targets a bug that chunked asynchronous expert parallelism invites: a wait with no
+launch or a launch never waited (a hang, or a read of a buffer nobody filled), a buffer set reused
+while an exchange on it is in flight (silent corruption), a missing or extra exchange, chunks of
+one layer exchanging differently, and eager and graph chunking issuing different exchanges.
+"""
+
+from __future__ import annotations
+
+from collections import Counter, defaultdict
+from collections.abc import Callable, Iterable
+
+from harness.compare import CheckResult
+
+KIND = "token-exchange-invariants"
+PAIRING = "token-exchange:launch-wait-pairing"
+BUFFER_REUSE = "token-exchange:buffer-reuse"
+COUNTS = "token-exchange:expected-counts"
+CHUNK_SIGNATURES = "token-exchange:chunk-signatures"
+SAME_SEQUENCE = "same-event-sequence"
+
+PHASES = ("fwd", "recompute", "bwd")
+KINDS = ("dispatch", "combine")
+OPS = ("launch", "wait")
+_INT_FIELDS = ("step", "layer", "chunk", "buffer_set", "seq", "rows")
+# What must match between two arms: everything but the seq numbering.
+SEQUENCE_FIELDS = ("step", "phase", "layer", "chunk", "kind", "op", "buffer_set", "rows")
+_MAX_LISTED = 20
+
+Event = dict
+Problem = tuple[int, str]  # (step, message), in the order found
+
+
+def _where(e: Event) -> str:
+    return f"step {e['step']} {e['phase']} layer {e['layer']} chunk {e['chunk']}"
+
+
+def _describe(e: Event) -> str:
+    return f"{_where(e)} {e['kind']} {e['op']} on buffer set {e['buffer_set']} ({e['rows']} rows)"
+
+
+def _exchange(e: Event) -> tuple:
+    """Identifies one exchange: its launch and its wait share this key."""
+    return e["step"], e["phase"], e["layer"], e["chunk"], e["kind"], e["buffer_set"]
+
+
+def _malformed(events: list[Event]) -> str | None:
+    """Why the event list cannot be checked (a missing field, a bad value, out of order), or None."""
+    last_seq = None
+    for i, e in enumerate(events):
+        if not isinstance(e, dict):
+            return f"event {i} is not an object"
+        for key in _INT_FIELDS:
+            if isinstance(e.get(key), bool) or not isinstance(e.get(key), int):
+                return f"event {i}: '{key}' must be an integer, got {e.get(key)!r}"
+        for key, allowed in (("phase", PHASES), ("kind", KINDS), ("op", OPS)):
+            if e.get(key) not in allowed:
+                return f"event {i}: '{key}' must be one of {allowed}, got {e.get(key)!r}"
+        if last_seq is not None and e["seq"] <= last_seq:
+            return f"event {i}: seq {e['seq']} does not increase (previous {last_seq}): events out of emission order"
+        last_seq = e["seq"]
+    return None
+
+
+def _result(name: str, problems: list[Problem], passed: str) -> CheckResult:
+    if not problems:
+        return CheckResult(name, KIND, "pass", passed)
+    step, message = problems[0]
+    more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
+    extra = {"problems": [m for _, m in problems[:_MAX_LISTED]], "problem_count": len(problems)}
+    return CheckResult(name, KIND, "fail", message + more, first_divergent_step=step, extra=extra)
+
+
+def _error(name: str, reason: str) -> CheckResult:
+    return CheckResult(name, KIND, "error", f"malformed events: {reason}")
+
+
+def check_launch_wait_pairing(events: list[Event]) -> CheckResult:
+    """Every launch is waited exactly once, after it, on the same exchange and buffer set."""
+    if reason := _malformed(events):
+        return _error(PAIRING, reason)
+    pending: dict[tuple, list[int]] = defaultdict(list)
+    found: list[tuple[int, int, str]] = []  # (event index, step, message)
+    for i, e in enumerate(events):
+        if e["op"] == "launch":
+            pending[_exchange(e)].append(i)
+        elif pending[_exchange(e)]:
+            pending[_exchange(e)].pop(0)
+        else:
+            found.append((i, e["step"], f"event {i}: wait without a launch: {_describe(e)}"))
+    for indices in pending.values():
+        found += [(i, events[i]["step"], f"event {i}: launch never waited: {_describe(events[i])}") for i in indices]
+    launches = sum(e["op"] == "launch" for e in events)
+    passed = f"{launches} launches, each waited once on the same exchange and buffer set"
+    return _result(PAIRING, [(step, msg) for _, step, msg in sorted(found)], passed)
+
+
+def check_buffer_reuse(events: list[Event]) -> CheckResult:
+    """No launch on a (kind, buffer set) while an earlier exchange on it is still unwaited."""
+    if reason := _malformed(events):
+        return _error(BUFFER_REUSE, reason)
+    in_flight: dict[tuple, list[int]] = defaultdict(list)  # (kind, buffer_set) -> launch indices
+    problems: list[Problem] = []
+    for i, e in enumerate(events):
+        slot = (e["kind"], e["buffer_set"])
+        if e["op"] == "launch":
+            if in_flight[slot]:
+                j = in_flight[slot][0]
+                problems.append((e["step"], (
+                    f"{e['kind']} buffer set {e['buffer_set']} reused at {_where(e)} (event {i})"
+                    f" while {_where(events[j])} is in flight (launched at event {j}, not yet waited)"
+                )))
+            in_flight[slot].append(i)
+        else:
+            match = [j for j in in_flight[slot] if _exchange(events[j]) == _exchange(e)]
+            if match:
+                in_flight[slot].remove(match[0])
+    used = ", ".join(f"{k} {sorted({e['buffer_set'] for e in events if e['kind'] == k})}" for k in KINDS)
+    passed = f"{len(events)} events, no buffer set reused while in flight (buffer sets used: {used})"
+    return _result(BUFFER_REUSE, problems, passed)
+
+
+def check_expected_counts(
+    events: list[Event],
+    *,
+    steps: int | Iterable[int],
+    moe_layers: list[int],
+    chunks: int,
+    recompute: bool = False,
+) -> CheckResult:
+    """One dispatch and one combine launch per (step, phase, MoE layer, chunk), nothing else.
+
+    steps is a count (steps 0..steps-1) or the step numbers themselves.
+    """
+    if reason := _malformed(events):
+        return _error(COUNTS, reason)
+    step_list = list(range(steps)) if isinstance(steps, int) else sorted(steps)
+    phases = ("fwd", "recompute", "bwd") if recompute else ("fwd", "bwd")
+    expected = Counter(
+        (s, p, layer, c, k) for s in step_list for p in phases for layer in moe_layers for c in range(chunks) for k in KINDS
+    )
+    actual = Counter((e["step"], e["phase"], e["layer"], e["chunk"], e["kind"]) for e in events if e["op"] == "launch")
+    places = sorted({key[:4] for key in expected | actual}, key=lambda k: (k[0], PHASES.index(k[1]), k[2], k[3]))
+    problems: list[Problem] = []
+    for s, p, layer, c in places:
+        got = [actual[(s, p, layer, c, k)] for k in KINDS]
+        want = [expected[(s, p, layer, c, k)] for k in KINDS]
+        if got != want:
+            state = "missing" if not any(got) else "unexpected" if not any(want) else "wrong count"
+            counts = ", ".join(f"{k} {g} (expected {w})" for k, g, w in zip(KINDS, got, want))
+            problems.append((s, f"step {s} {p} layer {layer} chunk {c}: {state}: {counts} launches"))
+    passed = (
+        f"{sum(actual.values())} launches = {len(step_list)} steps x {len(phases)} phases x"
+        f" {len(moe_layers)} MoE layers x {chunks} chunks x dispatch+combine"
+    )
+    return _result(COUNTS, problems, passed)
+
+
+def check_chunk_signatures(events: list[Event]) -> CheckResult:
+    """Within each (step, phase, layer) every chunk issues the same (kind, op, rows) sequence."""
+    if reason := _malformed(events):
+        return _error(CHUNK_SIGNATURES, reason)
+    groups: dict[tuple, dict[int, list[tuple]]] = defaultdict(lambda: defaultdict(list))
+    for e in events:
+        groups[e["step"], e["phase"], e["layer"]][e["chunk"]].append((e["kind"], e["op"], e["rows"]))
+    problems: list[Problem] = []
+    for (s, p, layer), by_chunk in groups.items():
+        ref_chunk = min(by_chunk)
+        ref = by_chunk[ref_chunk]
+        for chunk, sig in sorted(by_chunk.items()):
+            if sig == ref:
+                continue
+            k = next((k for k, (x, y) in enumerate(zip(sig, ref)) if x != y), min(len(sig), len(ref)))
+            mine = " ".join(map(str, sig[k])) if k < len(sig) else "nothing"
+            theirs = " ".join(map(str, ref[k])) if k < len(ref) else "nothing"
+            problems.append((s, (
+                f"step {s} {p} layer {layer}: chunk {chunk} differs from chunk {ref_chunk} at its"
+                f" exchange event {k}: {mine} vs {theirs} (kind op rows)"
+            )))
+    return _result(CHUNK_SIGNATURES, problems, f"{len(groups)} (step, phase, layer) groups, chunks exchange identically")
+
+
+def check_same_event_sequence(events_a: list[Event], events_b: list[Event], *, label_a: str, label_b: str) -> CheckResult:
+    """Two arms (eager vs graph chunking) issue identical exchanges in identical order; seq may be offset."""
+    for label, events in ((label_a, events_a), (label_b, events_b)):
+        if reason := _malformed(events):
+            return CheckResult(SAME_SEQUENCE, SAME_SEQUENCE, "error", f"malformed events in arm '{label}': {reason}")
+    if not events_a and not events_b:
+        return CheckResult(SAME_SEQUENCE, SAME_SEQUENCE, "fail", f"no events in arm '{label_a}' or arm '{label_b}'")
+    seq_a = [{f: e[f] for f in SEQUENCE_FIELDS} for e in events_a]
+    seq_b = [{f: e[f] for f in SEQUENCE_FIELDS} for e in events_b]
+    i = next((i for i, (x, y) in enumerate(zip(seq_a, seq_b)) if x != y), None)
+    if i is not None:
+        detail = f"event {i} differs: {label_a}: {_describe(seq_a[i])}; {label_b}: {_describe(seq_b[i])}"
+        values = {label_a: seq_a[i], label_b: seq_b[i]}
+        return CheckResult(SAME_SEQUENCE, SAME_SEQUENCE, "fail", detail, seq_a[i]["step"], values, extra={"index": i})
+    if len(seq_a) != len(seq_b):
+        n = min(len(seq_a), len(seq_b))
+        longer, seq = (label_a, seq_a) if len(seq_a) > n else (label_b, seq_b)
+        detail = (
+            f"arm '{label_a}' has {len(seq_a)} events, arm '{label_b}' has {len(seq_b)};"
+            f" first extra in '{longer}' at event {n}: {_describe(seq[n])}"
+        )
+        return CheckResult(SAME_SEQUENCE, SAME_SEQUENCE, "fail", detail, seq[n]["step"], extra={"index": n})
+    return CheckResult(SAME_SEQUENCE, SAME_SEQUENCE, "pass", f"{len(seq_a)} events identical in arms '{label_a}' and '{label_b}'")
+
+
+def _merge(name: str, per_rank: dict[int, CheckResult]) -> CheckResult:
+    """One result for all ranks: the worst status, naming the first rank that has it."""
+    if not per_rank:
+        return CheckResult(name, KIND, "fail", "no ranks recorded any events")
+    for status in ("error", "fail"):
+        bad = [r for r, res in per_rank.items() if res.status == status]
+        if bad:
+            first = per_rank[bad[0]]
+            others = f"; ranks {bad[1:]} also {status}" if len(bad) > 1 else ""
+            extra = {**first.extra, "failing_ranks": bad}
+            return CheckResult(name, KIND, status, f"rank {bad[0]}: {first.detail}{others}", first.first_divergent_step, first.values, extra=extra)
+    first_rank = min(per_rank)
+    return CheckResult(name, KIND, "pass", f"all {len(per_rank)} ranks: {per_rank[first_rank].detail}")
+
+
+def check_token_exchange(
+    events_by_rank: dict[int, list[Event]],
+    *,
+    steps: int | Iterable[int],
+    moe_layers: list[int],
+    chunks: int,
+    recompute: bool = False,
+) -> list[CheckResult]:
+    """Runs the four single-arm invariants on every rank's events; one merged result per invariant.
+
+    A rank with no events fails every invariant when there are MoE layers: an empty log must
+    never pass for a run that should have exchanged tokens.
+    """
+    step_list = list(range(steps)) if isinstance(steps, int) else sorted(steps)
+    checks: list[tuple[str, Callable[[list[Event]], CheckResult]]] = [
+        (PAIRING, check_launch_wait_pairing),
+        (BUFFER_REUSE, check_buffer_reuse),
+        (COUNTS, lambda ev: check_expected_counts(ev, steps=step_list, moe_layers=moe_layers, chunks=chunks, recompute=recompute)),
+        (CHUNK_SIGNATURES, check_chunk_signatures),
+    ]
+    results = []
+    for name, check in checks:
+        per_rank = {}
+        for rank in sorted(events_by_rank):
+            events = events_by_rank[rank]
+            if not events and moe_layers:
+                per_rank[rank] = CheckResult(name, KIND, "fail", "no token-exchange events recorded")
+            else:
+                per_rank[rank] = check(events)
+        results.append(_merge(name, per_rank))
+    return results

@@ -1,0 +1,121 @@
+"""On-disk records: JSON-lines streams that survive a crash, and atomically replaced JSON files.
+
+Ranks stream metrics and events one JSON object per line and flush every line, so a rank that
+dies leaves every finished line readable. Floats go through json's float repr, which round-trips
+a double bit-for-bit; exact comparisons depend on that. NaN and Infinity use json's tokens.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from pathlib import Path
+from types import TracebackType
+from typing import Any
+
+import pandas as pd
+
+METRIC_COLUMNS = ("loss", "grad_norm", "tokens", "step_time_s")
+
+
+class RecordError(Exception):
+    """A record file that cannot be read; the message names the file and, if known, the line."""
+
+    def __init__(self, path: Path | str, line_no: int | None, msg: str) -> None:
+        self.path, self.line_no, self.msg = Path(path), line_no, msg
+        where = f"{self.path}:{line_no}" if line_no is not None else f"{self.path}"
+        super().__init__(f"{where}: {msg}")
+
+
+class JsonlWriter:
+    """Appends one JSON object per line and flushes each, so a crash loses at most the line being written."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = Path(path)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._file = self.path.open("a", encoding="utf-8")
+
+    def write(self, record: dict) -> None:
+        # One write call per line: a crash can only truncate the final line, never interleave.
+        self._file.write(json.dumps(record, allow_nan=True) + "\n")
+        self._file.flush()
+
+    def close(self) -> None:
+        self._file.close()
+
+    def __enter__(self) -> JsonlWriter:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()
+
+
+def read_jsonl(path: Path) -> list[dict]:
+    """Reads a JSON-lines file written by JsonlWriter.
+
+    A final line without its newline that does not parse is the trace of a crash mid-write and is
+    dropped; a bad line anywhere else means the file is corrupt and raises RecordError.
+    """
+    path = Path(path)
+    try:
+        text = path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as e:
+        raise RecordError(path, None, f"cannot read: {e}") from e
+    lines = text.split("\n")
+    records = []
+    for line_no, line in enumerate(lines, start=1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as e:
+            if line_no == len(lines):  # last piece has no trailing newline: truncated by a crash
+                break
+            raise RecordError(path, line_no, f"invalid JSON: {e.msg} (column {e.colno})") from e
+        if not isinstance(record, dict):
+            raise RecordError(path, line_no, f"expected a JSON object, got {type(record).__name__}")
+        records.append(record)
+    return records
+
+
+def read_metrics(path: Path) -> pd.DataFrame:
+    """Reads an arm's metrics.jsonl into a DataFrame indexed by integer step, one row per step."""
+    path = Path(path)
+    records = read_jsonl(path)
+    for number, record in enumerate(records, start=1):
+        step = record.get("step")
+        if isinstance(step, bool) or not isinstance(step, int):
+            raise RecordError(path, None, f"record {number} has no integer 'step' (got {step!r})")
+    frame = pd.DataFrame.from_records(records) if records else pd.DataFrame({"step": []}, dtype="int64")
+    frame = frame.set_index("step").sort_index()
+    duplicated = frame.index[frame.index.duplicated()].unique().tolist()
+    if duplicated:
+        raise RecordError(path, None, f"step(s) {duplicated} recorded more than once")
+    known = [c for c in METRIC_COLUMNS if c in frame.columns]
+    return frame[known + [c for c in frame.columns if c not in METRIC_COLUMNS]]
+
+
+def write_json_atomic(path: Path, obj: Any) -> None:
+    """Writes JSON so that readers see the old file or the new one, never a torn one.
+
+    The temp file lives in the target directory so os.replace stays a same-filesystem rename.
+    """
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            json.dump(obj, f, indent=2, allow_nan=True)
+            f.write("\n")
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        os.unlink(tmp)
+        raise

@@ -1,0 +1,25 @@
+"""Reviewable output of a run: HTML for people, JUnit XML for CI, a plain-text table for the terminal."""
+
+from __future__ import annotations
+
+from harness.report.html import problems_first, write_html
+from harness.report.junit import write_junit
+
+__all__ = ["format_verdict_table", "write_html", "write_junit"]
+
+
+def format_verdict_table(summary: dict) -> str:
+    """A short aligned table of the checks under a one-line verdict, failures first."""
+    checks = problems_first(summary.get("checks", []))
+    head = (
+        f"{summary.get('suite')}: {str(summary.get('verdict')).upper()} (exit {summary.get('exit_code')})"
+        f" - {len(checks)} checks, {summary.get('ranks')} ranks, {summary.get('steps')} steps,"
+        f" {float(summary.get('duration_s') or 0.0):.1f} s"
+    )
+    rows = [(str(c.get("status", "?")).upper(), str(c.get("name", "?")), str(c.get("detail", ""))) for c in checks]
+    if not rows:
+        return f"{head}\n  (no checks ran)"
+    width_status = max(len(r[0]) for r in rows)
+    width_name = max(len(r[1]) for r in rows)
+    lines = [f"  {s:<{width_status}}  {n:<{width_name}}  {d}" for s, n, d in rows]
+    return "\n".join([head, *lines])

@@ -1,0 +1,63 @@
+"""JUnit XML: one testcase per check, so any CI system shows which check failed and why."""
+
+from __future__ import annotations
+
+import re
+import xml.etree.ElementTree as ET
+from pathlib import Path
+
+# Characters XML 1.0 cannot carry; a traceback in a detail must not make the whole file invalid.
+_INVALID_XML = re.compile("[^\u0009\u000a\u000d\u0020-\ud7ff\ue000-\ufffd\U00010000-\U0010ffff]")
+
+
+def _text(value: object) -> str:
+    return _INVALID_XML.sub("\ufffd", str(value))
+
+
+def _failure_body(check: dict) -> str:
+    lines = [check.get("detail", "")]
+    if check.get("first_divergent_step") is not None:
+        lines.append(f"first divergent step: {check['first_divergent_step']}")
+    for label, value in (check.get("values") or {}).items():
+        lines.append(f"  {label}: {value!r}")
+    for key in ("max_abs_diff", "max_rel_diff"):
+        if check.get(key) is not None:
+            lines.append(f"{key}: {check[key]!r}")
+    return "\n".join(lines)
+
+
+def write_junit(path: Path, summary: dict) -> None:
+    """Writes summary.json's checks as a JUnit testsuite.
+
+    A run that ended in error with no erroring check (a rank crashed before any check ran) gets a
+    synthetic "run" testcase in error, so CI never reads it as an empty, green suite.
+    """
+    suite = str(summary.get("suite", "harness"))
+    checks = list(summary.get("checks", []))
+    if summary.get("verdict") == "error" and not any(c.get("status") == "error" for c in checks):
+        reason = summary.get("error") or f"run ended with verdict 'error' (exit code {summary.get('exit_code')})"
+        checks.append({"name": "run", "kind": "run", "status": "error", "detail": reason})
+    counts = {s: sum(c.get("status") == s for c in checks) for s in ("fail", "error", "skip")}
+    root = ET.Element("testsuites")
+    testsuite = ET.SubElement(
+        root,
+        "testsuite",
+        name=_text(suite),
+        tests=str(len(checks)),
+        failures=str(counts["fail"]),
+        errors=str(counts["error"]),
+        skipped=str(counts["skip"]),
+        time=f"{float(summary.get('duration_s') or 0.0):.3f}",
+    )
+    for check in checks:
+        case = ET.SubElement(testsuite, "testcase", classname=_text(suite), name=_text(check.get("name", "?")), time="0")
+        status = check.get("status")
+        detail = _text(check.get("detail", ""))
+        if status in ("fail", "error"):
+            element = ET.SubElement(case, "failure" if status == "fail" else "error", message=detail, type=_text(check.get("kind", "")))
+            element.text = _text(_failure_body(check))
+        elif status == "skip":
+            ET.SubElement(case, "skipped", message=detail)
+    ET.indent(root)
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    ET.ElementTree(root).write(path, encoding="utf-8", xml_declaration=True)

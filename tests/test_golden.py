@@ -1,0 +1,189 @@
+import json
+import math
+
+import numpy as np
+import pandas as pd
+import pytest
+
+from harness.compare import Close, Exact
+from harness.golden import (
+    GoldenError,
+    compare_to_golden,
+    diff_summary,
+    env_key,
+    golden_from_metrics,
+    load_golden,
+    write_golden,
+)
+
+KEY = "cpu-gloo-float32-torch2.13"
+PROVENANCE = {
+    "torch": "2.13.0+cpu", "device": "cpu", "backend": "gloo", "dtype": "float32",
+    "harness": "0.1.0", "git_sha": "abc123", "date": "2026-01-01T00:00:00Z",
+}
+
+
+def frame(scale=1.0, steps=5):
+    rng = np.random.default_rng(1)
+    loss = (np.linspace(2.3, 1.1, steps) + rng.uniform(0, 1e-3, steps)) * scale
+    return pd.DataFrame(
+        {"loss": loss, "grad_norm": loss / 3, "tokens": 256, "step_time_s": 0.01},
+        index=pd.RangeIndex(steps, name="step"),
+    )
+
+
+def make(metrics=None, **kw):
+    metrics = metrics or {"eager": frame(), "graph": frame()}
+    return golden_from_metrics("parity", KEY, PROVENANCE, {"kind": "exact", "metrics": ["loss"]}, metrics, **kw)
+
+
+@pytest.mark.parametrize(
+    "args, key",
+    [
+        (("cpu", "gloo", "float32", "2.13.0+cpu"), "cpu-gloo-float32-torch2.13"),
+        (("cuda-h200", "nccl", "torch.bfloat16", "2.13.1"), "cuda-h200-nccl-bfloat16-torch2.13"),
+        (("NVIDIA H200", "NCCL", "bfloat16", "2.14.0.dev20260101"), "nvidia-h200-nccl-bfloat16-torch2.14"),
+    ],
+)
+def test_env_key(args, key):
+    assert env_key(*args) == key
+
+
+def test_env_key_rejects_bad_version():
+    with pytest.raises(ValueError, match="torch version"):
+        env_key("cpu", "gloo", "float32", "nightly")
+
+
+def test_write_then_load_is_bit_exact(tmp_path):
+    golden = make()
+    path = tmp_path / "golden" / "parity" / f"{KEY}.json"
+    write_golden(path, golden)
+    back = load_golden(path)
+    assert back.suite == "parity" and back.env_key == KEY and back.provenance == PROVENANCE
+    assert back.tier == {"kind": "exact"}
+    assert set(back.arms) == {"eager", "graph"} and set(back.arms["eager"]) == {"loss", "grad_norm"}
+    expected = frame()["loss"].to_numpy()
+    assert np.array_equal(back.arms["eager"]["loss"].to_numpy().view(np.int64), expected.view(np.int64))
+    on_disk = json.loads(path.read_text())
+    assert on_disk["arms"]["eager"]["loss"]["start_step"] == 0 and on_disk["arms"]["eager"]["loss"]["end_step"] == 4
+    assert on_disk["arms"]["eager"]["loss"]["values"]["0"] == expected[0]
+
+
+def test_write_golden_refuses_mismatched_file_name(tmp_path):
+    with pytest.raises(ValueError, match=KEY):
+        write_golden(tmp_path / "other.json", make())
+
+
+def test_golden_from_metrics_refuses_missing_and_non_finite():
+    with pytest.raises(ValueError, match="arm 'graph' has no 'grad_norm'"):
+        make({"eager": frame(), "graph": frame()[["loss"]]})
+    bad = frame()
+    bad.loc[3, "loss"] = math.nan
+    with pytest.raises(ValueError, match="arm 'eager' loss is non-finite at steps 3"):
+        make({"eager": bad})
+
+
+def _write(tmp_path, obj, name=KEY):
+    path = tmp_path / f"{name}.json"
+    path.write_text(json.dumps(obj) if not isinstance(obj, str) else obj)
+    return path
+
+
+def _valid():
+    return make().to_dict()
+
+
+@pytest.mark.parametrize(
+    "mutate, field",
+    [
+        (lambda d: d.update(schema=2), ": schema: expected 1"),
+        (lambda d: d.update(env_key="cuda-nccl-float32-torch2.13"), ": env_key: 'cuda-nccl-float32-torch2.13' does not match"),
+        (lambda d: d["provenance"].pop("git_sha"), ": provenance.git_sha: expected a string"),
+        (lambda d: d.update(tier={"kind": "close", "rtol": 1e-4}), ": tier: close check: missing field 'atol'"),
+        (lambda d: d["arms"]["eager"]["loss"].update(values=[1.0, 2.0]), ": arms.eager.loss.values: expected a mapping of step -> float"),
+        (lambda d: d["arms"]["eager"]["loss"]["values"].update({"2": "abc"}), ': arms.eager.loss.values.2: expected a finite number or "nan"'),
+        (lambda d: d["arms"]["eager"]["loss"]["values"].update({"2": True}), ": arms.eager.loss.values.2: expected a finite number"),
+        (lambda d: d["arms"]["eager"]["loss"]["values"].update({"x": 1.0}), ": arms.eager.loss.values: step 'x' is not an integer"),
+        (lambda d: d["arms"]["graph"]["grad_norm"].update(end_step=9), ": arms.graph.grad_norm: start_step/end_step 0/9 do not match"),
+        (lambda d: d["arms"].update(graph={}), ": arms.graph: expected a non-empty mapping"),
+        (lambda d: d.update(extra=1), ": extra: unknown field"),
+    ],
+)
+def test_load_golden_names_file_and_field(tmp_path, mutate, field):
+    obj = _valid()
+    mutate(obj)
+    path = _write(tmp_path, obj)
+    with pytest.raises(GoldenError) as exc:
+        load_golden(path)
+    message = str(exc.value)
+    assert message.startswith(f"{path}{field}")
+    assert "\n" not in message
+
+
+def test_load_golden_rejects_non_finite_tokens_but_accepts_nan_string(tmp_path):
+    obj = _valid()
+    text = json.dumps(obj).replace(repr(obj["arms"]["eager"]["loss"]["values"]["1"]), "NaN", 1)
+    with pytest.raises(GoldenError, match="values.1: expected a finite number"):
+        load_golden(_write(tmp_path, text))
+    obj["arms"]["eager"]["loss"]["values"]["1"] = "nan"
+    golden = load_golden(_write(tmp_path, obj))
+    assert math.isnan(golden.arms["eager"]["loss"][1])
+
+
+def test_load_golden_corrupt_json_names_file(tmp_path):
+    path = _write(tmp_path, '{"schema": 1, "suite": ')
+    with pytest.raises(GoldenError, match=rf"^{path}: invalid JSON"):
+        load_golden(path)
+    with pytest.raises(GoldenError, match="cannot read"):
+        load_golden(tmp_path / "missing.json")
+
+
+def test_compare_to_golden_passes_same_run_and_catches_perturbation():
+    golden = make()
+    results = compare_to_golden(golden, {"eager": frame(), "graph": frame()}, Exact())
+    assert [r.name for r in results] == ["golden:eager:loss", "golden:eager:grad_norm", "golden:graph:loss", "golden:graph:grad_norm"]
+    assert all(r.status == "pass" for r in results)
+    drifted = frame()
+    drifted.loc[2, "loss"] = float(np.nextafter(drifted.loc[2, "loss"], 0.0))
+    results = compare_to_golden(golden, {"eager": frame(), "graph": drifted}, Exact())
+    bad = [r for r in results if r.status != "pass"]
+    assert [r.name for r in bad] == ["golden:graph:loss"]
+    assert bad[0].first_divergent_step == 2 and set(bad[0].values) == {"graph", "golden"}
+    assert compare_to_golden(golden, {"eager": frame(), "graph": drifted}, Close(1e-12, 0.0))[2].status == "pass"
+
+
+def test_compare_to_golden_missing_arm_metric_and_extra_arm():
+    golden = make()
+    results = {r.name: r for r in compare_to_golden(golden, {"eager": frame()[["loss"]], "new": frame()}, Exact())}
+    assert results["golden:graph:loss"].status == "fail" and "not in this run" in results["golden:graph:loss"].detail
+    assert results["golden:eager:grad_norm"].detail == "metric 'grad_norm' missing from arm 'eager'"
+    assert results["golden:new"].status == "skip"
+
+
+def test_compare_to_golden_run_cut_short_fails():
+    results = compare_to_golden(make(), {"eager": frame(steps=3), "graph": frame()}, Exact())
+    assert results[0].status == "fail" and results[0].detail.startswith("arm 'eager' stops at step 2 of 5")
+
+
+def test_diff_summary_reports_new_unchanged_changed_removed():
+    old = make()
+    assert diff_summary(None, old).splitlines() == [
+        f"golden parity/{KEY}: new file",
+        "  eager/loss: new (5 steps, 0..4)",
+        "  eager/grad_norm: new (5 steps, 0..4)",
+        "  graph/loss: new (5 steps, 0..4)",
+        "  graph/grad_norm: new (5 steps, 0..4)",
+    ]
+    changed = frame()
+    changed.loc[3, "loss"] += 1e-6
+    new = golden_from_metrics(
+        "parity", KEY, {**PROVENANCE, "torch": "2.13.1"}, {"kind": "exact"}, {"eager": changed, "extra": frame()}, ("loss",)
+    )
+    lines = diff_summary(old, new).splitlines()
+    assert lines[0] == f"golden parity/{KEY}: update"
+    assert "  provenance.torch: 2.13.0+cpu -> 2.13.1" in lines
+    [eager] = [line for line in lines if line.startswith("  eager/loss")]
+    assert eager.startswith("  eager/loss: changed: first divergence at step 3:") and "max abs 1e-06" in eager
+    assert "  extra/loss: new (5 steps, 0..4)" in lines
+    assert {"  eager/grad_norm: removed", "  graph/loss: removed", "  graph/grad_norm: removed"} <= set(lines)
+    assert "  eager/loss: unchanged (5 steps)" in diff_summary(old, make()).splitlines()

@@ -1,0 +1,115 @@
+import re
+import xml.etree.ElementTree as ET
+
+import numpy as np
+import pandas as pd
+import pytest
+
+from harness.compare import Exact, compare_arms
+from harness.report import format_verdict_table, write_html, write_junit
+
+
+def metrics(steps=12, perturb_at=None):
+    loss = 2.3 * np.exp(-np.arange(steps) / 8)
+    frame = lambda values: pd.DataFrame(
+        {"loss": values, "grad_norm": values / 2, "tokens": 256, "step_time_s": 0.01},
+        index=pd.RangeIndex(steps, name="step"),
+    )
+    graph = loss.copy()
+    if perturb_at is not None:
+        graph[perturb_at:] += 1e-7 * np.arange(1, steps - perturb_at + 1)
+    return {"eager": frame(loss), "graph": frame(graph)}
+
+
+def summary(checks, verdict="fail", exit_code=1):
+    return {
+        "suite": "parity", "verdict": verdict, "exit_code": exit_code, "ranks": 2, "steps": 12,
+        "arms": ["eager", "graph"], "duration_s": 4.25, "run_dir": "reports/parity/20260101-000000", "checks": checks,
+    }
+
+
+def checks_for(m):
+    return [
+        compare_arms(f"exact:{metric}", m["eager"], m["graph"], metric, Exact(), "eager", "graph").to_dict()
+        for metric in ("loss", "grad_norm")
+    ] + [
+        {"name": "token-exchange:buffer-reuse", "kind": "token-exchange-invariants", "status": "error", "detail": "malformed events: event 3"},
+        {"name": "golden:eager", "kind": "exact", "status": "skip", "detail": "no golden for arm 'eager'"},
+    ]
+
+
+def test_junit_counts_and_failure_detail(tmp_path):
+    m = metrics(perturb_at=5)
+    path = tmp_path / "junit.xml"
+    write_junit(path, summary(checks_for(m)))
+    root = ET.parse(path).getroot()
+    suite = root.find("testsuite")
+    assert suite.get("name") == "parity"
+    assert (suite.get("tests"), suite.get("failures"), suite.get("errors"), suite.get("skipped")) == ("4", "2", "1", "1")
+    assert suite.get("time") == "4.250"
+    cases = {c.get("name"): c for c in suite.findall("testcase")}
+    assert all(c.get("classname") == "parity" for c in cases.values())
+    failure = cases["exact:loss"].find("failure")
+    assert failure.get("message").startswith("first divergence at step 5: eager=")
+    assert "first divergent step: 5" in failure.text and "graph: " in failure.text
+    assert cases["token-exchange:buffer-reuse"].find("error") is not None
+    assert cases["golden:eager"].find("skipped") is not None
+
+
+def test_junit_error_run_without_checks_is_not_green(tmp_path):
+    path = tmp_path / "junit.xml"
+    write_junit(path, summary([], verdict="error", exit_code=3) | {"error": "rank 1 timed out after 300 s"})
+    suite = ET.parse(path).getroot().find("testsuite")
+    assert (suite.get("tests"), suite.get("errors")) == ("1", "1")
+    assert suite.find("testcase/error").get("message") == "rank 1 timed out after 300 s"
+
+
+def test_junit_survives_control_characters(tmp_path):
+    path = tmp_path / "junit.xml"
+    write_junit(path, summary([{"name": "x", "kind": "exact", "status": "fail", "detail": "bad\x00byte\x1b[31m"}]))
+    assert "byte" in ET.parse(path).getroot().find("testsuite/testcase/failure").get("message")
+
+
+def test_html_is_self_contained_and_shows_checks(tmp_path):
+    m = metrics(perturb_at=5)
+    s = summary(checks_for(m))
+    s["checks"][0]["detail"] += " <script>alert(1)</script>"
+    golden = {"eager": m["eager"][["loss", "grad_norm"]]}
+    path = tmp_path / "report.html"
+    write_html(path, s, m, golden=golden, manifest={"command": "harness run parity", "seed": 42})
+    html = path.read_text()
+    assert "parity: FAIL (exit code 1)" in html
+    assert "<script>" not in html and "&lt;script&gt;" in html
+    assert not re.search(r"(src|href)=\"(https?:)?//", html)
+    images = re.findall(r'src="data:image/png;base64,([A-Za-z0-9+/=]+)"', html)
+    assert len(images) == 4  # loss, grad_norm, step_time_s, tokens
+    assert html.count('<tr class="fail">') == 2 and '<tr class="divergent">' in html
+    assert repr(float(m["graph"].loc[7, "loss"])) in html  # exact per-step values
+    assert "golden eager" in html and "&#34;seed&#34;: 42" in html
+
+
+@pytest.mark.parametrize("perturb_at", [None, 0])
+def test_html_plots_handle_all_zero_and_all_nonzero_differences(tmp_path, perturb_at):
+    m = metrics(perturb_at=perturb_at)
+    path = tmp_path / "report.html"
+    write_html(path, summary(checks_for(m), verdict="pass", exit_code=0), m)
+    assert "parity: PASS" in path.read_text()
+
+
+def test_html_with_a_cut_short_arm_and_no_checks(tmp_path):
+    m = metrics()
+    m["graph"] = m["graph"].iloc[:4]
+    path = tmp_path / "report.html"
+    write_html(path, summary([], verdict="error", exit_code=3), m)
+    html = path.read_text()
+    assert "No checks ran." in html and "parity: ERROR" in html
+
+
+def test_verdict_table_puts_failures_first_and_aligns():
+    m = metrics(perturb_at=5)
+    text = format_verdict_table(summary(checks_for(m)))
+    lines = text.splitlines()
+    assert lines[0] == "parity: FAIL (exit 1) - 4 checks, 2 ranks, 12 steps, 4.2 s"
+    assert [line.split()[0] for line in lines[1:]] == ["ERROR", "FAIL", "FAIL", "SKIP"]
+    detail_columns = {line.index(check["detail"][:20]) for line, check in zip(lines[1:], [checks_for(m)[i] for i in (2, 0, 1, 3)])}
+    assert len(detail_columns) == 1
