@@ -1,0 +1,310 @@
+"""Start the ranks of one launch group with torch's elastic launcher, and enforce the deadline.
+
+The harness process is the elastic agent (programmatic torchrun): workers are
+``python -m harness.worker RUN_DIR GROUP``, rendezvous is c10d on 127.0.0.1 at a port the OS
+picked, so concurrent runs never collide. The agent already tears the group down when one
+rank fails; what it lacks is a wall-clock limit, so a watchdog thread adds one: at the
+deadline it asks every rank for a faulthandler stack dump (SIGUSR1, into the rank's log), then
+kills each rank's process group. Workers also die with the harness (PR_SET_PDEATHSIG), so no
+rank outlives the run.
+
+Logs: ``logs/rank<k>.log`` (stdout and stderr) when a suite has one launch group; with several,
+``logs/<group>/rank<k>.log``, a group being named after its arms (``procs``, ``eager+graph``).
+The agent's own messages go to ``logs/launcher.log``.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import socket
+import sys
+import threading
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from torch.distributed.elastic.multiprocessing.api import LogsDest, LogsSpecs
+from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
+from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+from harness.suites import SuiteSpec
+from harness.worker import AGENT_PID_ENV
+
+# Seconds the agent waits after SIGTERM before SIGKILL, once one rank has failed.
+SHUTDOWN_GRACE_S = 3
+# Seconds to wait for the stack dumps after SIGUSR1, before killing hung ranks.
+STACK_DUMP_WAIT_S = 3.0
+WATCH_INTERVAL_S = 0.2
+_LOG_TAIL_LINES = 20
+
+
+@dataclass(frozen=True)
+class LaunchGroup:
+    """Arms sharing a process count: they run in one launch, one after another."""
+
+    name: str
+    ranks: int
+    arms: tuple[str, ...]
+    log_dir: str  # relative to the run directory
+
+    def log(self, rank: int) -> str:
+        return f"{self.log_dir}/rank{rank}.log"
+
+
+def plan_launches(suite: SuiteSpec) -> list[LaunchGroup]:
+    """Groups arms by process count, keeping the suite's arm order."""
+    by_ranks: dict[int, list[str]] = {}
+    for arm in suite.arms.values():
+        by_ranks.setdefault(arm.ranks, []).append(arm.name)
+    single = len(by_ranks) == 1
+    return [
+        LaunchGroup("+".join(arms), ranks, tuple(arms), "logs" if single else f"logs/{'+'.join(arms)}")
+        for ranks, arms in by_ranks.items()
+    ]
+
+
+@dataclass
+class RankFailure:
+    rank: int
+    exitcode: int
+    message: str  # a traceback where the rank left one, else how it ended
+    log: str  # relative to the run directory
+    root_cause: bool = False
+
+
+@dataclass
+class LaunchResult:
+    group: LaunchGroup
+    duration_s: float
+    timed_out: bool = False
+    error: str | None = None  # set when the group failed; one paragraph for the user
+    headline: str | None = None  # the same, in one line
+    failures: list[RankFailure] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        return self.error is None
+
+
+class _RankLogs(LogsSpecs):
+    """stdout and stderr of rank k into one file (the worker dup2s stderr onto stdout)."""
+
+    def __init__(self, log_dir: Path) -> None:
+        super().__init__(str(log_dir))
+        self._dir = log_dir
+
+    @property
+    def root_log_dir(self) -> str:
+        return str(self._dir)
+
+    def reify(self, envs: dict[int, dict[str, str]]) -> LogsDest:
+        self._dir.mkdir(parents=True, exist_ok=True)
+        logs = {k: str(self._dir / f"rank{k}.log") for k in envs}
+        errors = {k: str(self._dir / f"rank{k}.error.json") for k in envs}
+        for k, env in envs.items():
+            env["TORCHELASTIC_ERROR_FILE"] = errors[k]
+        return LogsDest(stdouts=logs, stderrs=dict(logs), error_files=errors)
+
+
+def free_port() -> int:
+    """A port the OS just handed out; the c10d store binds it a moment later."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def worker_pids(parent: int, marker: str) -> list[int]:
+    """Children of ``parent`` whose command line contains ``marker``, read from /proc."""
+    pids = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+            cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:  # exited while we looked
+            continue
+        ppid = int(stat.rsplit(")", 1)[1].split()[1])
+        if ppid == parent and marker in cmdline:
+            pids.append(int(entry.name))
+    return pids
+
+
+def _signal_group(pid: int, sig: signal.Signals) -> None:
+    try:
+        os.killpg(pid, sig)  # each worker leads its own session (start_new_session)
+    except ProcessLookupError:
+        pass
+
+
+class _Watchdog(threading.Thread):
+    """Calls ``tick`` every interval; at the deadline dumps every rank's stack, then kills them."""
+
+    def __init__(self, deadline: float, marker: str, log_dir: Path, tick: Callable[[], None]) -> None:
+        super().__init__(daemon=True, name="harness-watchdog")
+        self.deadline, self.marker, self.log_dir, self.tick = deadline, marker, log_dir, tick
+        self.fired = False
+        self._halt = threading.Event()
+
+    def run(self) -> None:
+        while not self._halt.wait(WATCH_INTERVAL_S):
+            try:
+                self.tick()
+            except Exception as e:  # a broken progress display must not disable the deadline
+                print(f"warning: progress display stopped: {type(e).__name__}: {e}", file=sys.stderr)
+                self.tick = lambda: None
+            if time.monotonic() >= self.deadline:
+                self.fired = True
+                self._dump_and_kill()
+                return
+
+    def _dump_and_kill(self) -> None:
+        pids = worker_pids(os.getpid(), self.marker)
+        logs = list(self.log_dir.glob("rank*.log"))
+        sizes = {log: log.stat().st_size for log in logs}
+        for pid in pids:
+            _signal_group(pid, signal.SIGUSR1)
+        give_up = time.monotonic() + STACK_DUMP_WAIT_S
+        while time.monotonic() < give_up and any(log.stat().st_size == sizes[log] for log in logs):
+            time.sleep(0.05)
+        for pid in pids:
+            _signal_group(pid, signal.SIGKILL)
+
+    def stop(self) -> None:
+        self._halt.set()
+        self.join()
+
+
+@contextmanager
+def _agent_logs_to(path: Path) -> Iterator[None]:
+    """The elastic agent logs to the console; keep the console for the verdict."""
+    handler = logging.FileHandler(path)
+    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    loggers = [logging.getLogger(n) for n in ("torch.distributed.elastic", "torch.distributed.launcher")]
+    saved = [(lg.propagate, lg.level) for lg in loggers]
+    for lg in loggers:
+        lg.addHandler(handler)
+        lg.propagate = False
+        lg.setLevel(logging.INFO)
+    try:
+        yield
+    finally:
+        for lg, (propagate, level) in zip(loggers, saved):
+            lg.removeHandler(handler)
+            lg.propagate, lg.level = propagate, level
+        handler.close()
+
+
+def launch_group(
+    run_dir: Path, group: LaunchGroup, *, deadline: float, timeout_s: float, tick: Callable[[], None] = lambda: None
+) -> LaunchResult:
+    """Runs every arm of ``group`` in ``group.ranks`` fresh processes; never raises for rank failures."""
+    log_dir = run_dir / group.log_dir
+    log_dir.mkdir(parents=True, exist_ok=True)
+    config = LaunchConfig(
+        min_nodes=1,
+        max_nodes=1,
+        nproc_per_node=group.ranks,
+        rdzv_backend="c10d",
+        rdzv_endpoint=f"127.0.0.1:{free_port()}",
+        rdzv_configs={"timeout": max(1, int(deadline - time.monotonic()))},
+        run_id=f"harness-{uuid.uuid4().hex[:12]}",
+        max_restarts=0,
+        monitor_interval=0.1,
+        logs_specs=_RankLogs(log_dir),
+        local_addr="127.0.0.1",
+        shutdown_timeout=SHUTDOWN_GRACE_S,
+    )
+    marker = str(run_dir.resolve())
+    watchdog = _Watchdog(deadline, marker, log_dir, tick)
+    start = time.monotonic()
+    failures: dict[int, ProcessFailure] = {}
+    launch_error = None
+    os.environ[AGENT_PID_ENV] = str(os.getpid())  # the workers inherit the agent's environment
+    watchdog.start()
+    try:
+        with _agent_logs_to(run_dir / "logs" / "launcher.log"):
+            elastic_launch(config, sys.executable)("-m", "harness.worker", marker, group.name)
+    except ChildFailedError as e:
+        failures = e.failures
+    except Exception as e:  # rendezvous, spawn or signal: the launch itself failed
+        launch_error = f"launch of group '{group.name}' failed: {type(e).__name__}: {e} (see logs/launcher.log)"
+    finally:
+        watchdog.stop()
+    tick()
+    leftovers = worker_pids(os.getpid(), marker)
+    for pid in leftovers:
+        _signal_group(pid, signal.SIGKILL)
+    result = LaunchResult(group, time.monotonic() - start, watchdog.fired, failures=_describe_failures(run_dir, group, failures))
+    result.headline, result.error = _explain(result, timeout_s, launch_error, len(leftovers))
+    return result
+
+
+def _explain(result: LaunchResult, timeout_s: float, launch_error: str | None, leftovers: int) -> tuple[str | None, str | None]:
+    """(one line, full text) of what went wrong, or (None, None)."""
+    group = result.group
+    headline = error = None
+    if result.timed_out:
+        headline = error = (
+            f"group '{group.name}' timed out after --timeout {timeout_s:g}s; every rank's Python stack "
+            f"was dumped to {group.log('<k>')} and the ranks were killed"
+        )
+    elif result.failures:
+        root = next(f for f in result.failures if f.root_cause)
+        headline = f"rank {root.rank} failed ({_ending(root.exitcode)}): {root.message.strip().splitlines()[-1]}"
+        lines = [f"rank {root.rank} of group '{group.name}' failed ({_ending(root.exitcode)}; log: {root.log}):"]
+        lines += ["    " + line for line in root.message.rstrip().splitlines()]
+        others = [f"rank {f.rank} {_ending(f.exitcode)}" for f in result.failures if not f.root_cause]
+        if others:
+            lines.append("then: " + "; ".join(others))
+        error = "\n".join(lines)
+    elif launch_error:
+        headline = error = launch_error
+    if leftovers:
+        note = f"killed {leftovers} leftover rank process(es)"
+        headline, error = headline or note, f"{error}\n{note}" if error else note
+    return headline, error
+
+
+def _ending(exitcode: int) -> str:
+    if exitcode < 0:
+        return f"killed by {signal.Signals(-exitcode).name}"
+    return f"exit code {exitcode}"
+
+
+def _describe_failures(run_dir: Path, group: LaunchGroup, failures: dict[int, ProcessFailure]) -> list[RankFailure]:
+    """One entry per failed rank; the root cause is the earliest traceback, else a rank that exited itself."""
+    described = []
+    for rank, failure in sorted(failures.items()):
+        stack = failure.error_file_data.get("message", {})
+        traceback = stack.get("extraInfo", {}).get("py_callstack") if isinstance(stack, dict) else None
+        message = traceback or _tail(run_dir / group.log(rank)) or _ending(failure.exitcode)
+        described.append(RankFailure(rank, failure.exitcode, message, group.log(rank)))
+    if described:
+        _pick_root_cause(described, failures)
+    return described
+
+
+def _pick_root_cause(described: list[RankFailure], failures: dict[int, ProcessFailure]) -> None:
+    # Error files carry whole-second timestamps; their mtimes order tracebacks finely enough.
+    with_files = [f for f in described if os.path.isfile(failures[f.rank].error_file)]
+    if with_files:
+        root = min(with_files, key=lambda f: os.stat(failures[f.rank].error_file).st_mtime_ns)
+    else:
+        exited = [f for f in described if f.exitcode > 0]  # the others were stopped by the agent
+        root = (exited or described)[0]
+    root.root_cause = True
+
+
+def _tail(path: Path) -> str:
+    try:
+        lines = path.read_text(errors="replace").splitlines()
+    except OSError:
+        return ""
+    return "\n".join(lines[-_LOG_TAIL_LINES:])
+

@@ -1,0 +1,427 @@
+"""Suite files: TOML in, validated and typed specs out.
+
+A suite names its arms (each a TrainConfig of the reference plus a process count) and the
+checks to run on them. Every mistake, in the file or in a ``--set`` override, is reported as
+one line naming where it came from and the dotted field, before anything is launched:
+``suites/parity.toml: arms.graph.chunks: expected int >= 1, got "two"``.
+
+Process count and EP degree: ``ranks`` (suite level, ``--ranks``) is the default process
+count of every arm, and ``ep`` defaults to the suite's ``ranks``. So an arm that sets only
+``ranks = 1`` hosts the whole EP group in one process (logical ranks), whatever ``--ranks``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import re
+import tomllib
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from harness.compare import tier_from_spec
+from harness.records import METRIC_COLUMNS
+from harness.reference.model import CONFIGS
+from harness.reference.train import TrainConfig
+
+SUITES_DIR = Path(__file__).resolve().parent.parent / "suites"
+MAX_RANKS = 8
+PAIR_KINDS = ("exact", "ulp", "close", "band")
+CHECK_KINDS = (*PAIR_KINDS, "token-exchange-invariants", "same-event-sequence", "determinism")
+FAIL_MODES = ("raise", "hang", "exit")
+DEFAULT_METRICS = ("loss", "grad_norm")
+DETERMINISM_METRICS = ("loss", "grad_norm", "tokens")
+
+# TrainConfig fields a suite may set in [train] or [arms.X]; the model comes from [model] and
+# the device from --device, so that one suite file runs on any machine.
+_TRAIN_FIELDS: dict[str, type] = {
+    f.name: type(f.default) for f in dataclasses.fields(TrainConfig) if f.name not in ("model", "device")
+}
+# Sizes and rates that must be positive; other numbers need only be non-negative ints or finite
+# floats, and the reference's TrainConfig validates its own domains after this.
+_POSITIVE = {"ep", "local_batch", "seq_len", "chunks", "num_buffer_sets", "lr", "max_norm"}
+_TOP_KEYS = ("name", "description", "ranks", "steps", "model", "train", "arms", "checks", "golden", "debug")
+_TABLES = ("model", "train", "golden", "debug")
+
+
+class SuiteError(Exception):
+    """A bad suite or override; the message is one line naming the file (or --set) and field."""
+
+
+@dataclass(frozen=True)
+class ArmSpec:
+    """One arm: the full TrainConfig keyword set and how many processes host its EP group."""
+
+    name: str
+    ranks: int
+    train: dict[str, Any]
+
+    @property
+    def ep(self) -> int:
+        return self.train["ep"]
+
+    def non_defaults(self) -> dict[str, Any]:
+        """The TrainConfig fields this arm sets away from the reference's defaults."""
+        defaults = dataclasses.asdict(TrainConfig())
+        return {k: v for k, v in self.train.items() if k not in defaults or defaults[k] != v}
+
+
+@dataclass(frozen=True)
+class CheckSpec:
+    """One [[checks]] entry; ``tier`` is the comparison tier's spec for metric comparisons."""
+
+    kind: str
+    name: str
+    arms: tuple[str, ...]
+    metrics: tuple[str, ...] = ()
+    tier: dict[str, Any] | None = None
+
+
+@dataclass(frozen=True)
+class DebugSpec:
+    """Fault injection for the harness's own tests; off unless ``fail_step`` is set."""
+
+    fail_step: int | None = None
+    fail_rank: int = 0
+    fail_mode: str = "raise"
+    fail_arm: str | None = None
+
+
+@dataclass(frozen=True)
+class SuiteSpec:
+    name: str
+    description: str
+    path: Path
+    ranks: int
+    steps: int
+    arms: dict[str, ArmSpec]
+    checks: tuple[CheckSpec, ...]
+    golden_tier: dict[str, Any]
+    golden_metrics: tuple[str, ...]
+    debug: DebugSpec
+
+    def to_dict(self) -> dict[str, Any]:
+        """The resolved suite as manifest.json records it (and the workers read it)."""
+        return {
+            "name": self.name,
+            "description": self.description,
+            "path": str(self.path),
+            "ranks": self.ranks,
+            "steps": self.steps,
+            "arms": {a.name: {"ranks": a.ranks, "train": a.train} for a in self.arms.values()},
+            "checks": [dataclasses.asdict(c) for c in self.checks],
+            "golden": {"tier": self.golden_tier, "metrics": list(self.golden_metrics)},
+            "debug": dataclasses.asdict(self.debug),
+        }
+
+
+def suite_path(name_or_path: str) -> Path:
+    """SUITE on the command line: a path to a TOML file, or the name of one under suites/."""
+    path = Path(name_or_path)
+    if path.suffix == ".toml" or path.is_file():
+        return path
+    return SUITES_DIR / f"{name_or_path}.toml"
+
+
+def list_suites() -> list[tuple[str, str]]:
+    """(name, description) of every suite under suites/, read without validation."""
+    found = []
+    for path in sorted(SUITES_DIR.glob("*.toml")):
+        try:
+            description = str(tomllib.loads(path.read_text()).get("description", ""))
+        except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
+            description = f"(invalid TOML: {e})"
+        found.append((path.stem, description))
+    return found
+
+
+def load_suite(name_or_path: str, overrides: list[tuple[str, str]] = (), device: str = "cpu") -> SuiteSpec:
+    """Reads, overrides and validates a suite.
+
+    ``overrides`` are (origin, "key=value") pairs, origin being how the user wrote it
+    ("--set" or a dedicated flag such as "--ranks"), so errors can point back at it.
+    """
+    path = suite_path(name_or_path)
+    shown = _display(path)
+    if not path.is_file():
+        known = ", ".join(name for name, _ in list_suites())
+        raise SuiteError(f"{shown}: no such suite file (suites: {known})")
+    try:
+        with path.open("rb") as f:
+            raw = tomllib.load(f)
+    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
+        raise SuiteError(f"{shown}: invalid TOML: {e}") from None
+    v = _Validator(shown, device)
+    for origin, item in overrides:
+        v.apply_override(raw, origin, item)
+    return v.suite(raw, path)
+
+
+def _display(path: Path) -> str:
+    try:
+        return str(path.resolve().relative_to(Path.cwd()))
+    except ValueError:
+        return str(path)
+
+
+def _show(value: Any) -> str:
+    try:
+        return json.dumps(value)
+    except TypeError:
+        return repr(value)
+
+
+def _parse_value(text: str) -> Any:
+    """A --set value is a TOML value (5, 0.01, true, "x", [1, 2]); anything else is a string."""
+    try:
+        return tomllib.loads(f"v = {text}")["v"]
+    except tomllib.TOMLDecodeError:
+        return text
+
+
+class _Validator:
+    """Walks the raw TOML tree; remembers which fields came from overrides to name them in errors."""
+
+    def __init__(self, shown: str, device: str) -> None:
+        self.shown = shown
+        self.device = device
+        self.origins: dict[str, str] = {}  # dotted field -> "--set key" / "--ranks"
+
+    def error(self, dotted: str, msg: str) -> SuiteError:
+        for field, origin in self.origins.items():
+            if dotted == field or dotted.startswith(field + ".") or field.startswith(dotted + "."):
+                return SuiteError(f"{origin}: {msg}")
+        return SuiteError(f"{self.shown}: {dotted}: {msg}" if dotted else f"{self.shown}: {msg}")
+
+    # --- overrides -------------------------------------------------------------------------
+
+    def apply_override(self, raw: dict, origin: str, item: str) -> None:
+        key, sep, text = item.partition("=")
+        key = key.strip()
+        label = origin if origin != "--set" else f"--set {key}"
+        if not sep or not key:
+            raise SuiteError(f"{origin} {item}: expected key=value")
+        value = _parse_value(text.strip())
+        if "." not in key and key not in _TOP_KEYS and key in _TRAIN_FIELDS:
+            # Shorthand: a bare TrainConfig field applies to the suite and to every arm setting it.
+            arms = raw.get("arms") if isinstance(raw.get("arms"), dict) else {}
+            targets = ["train." + key] + [f"arms.{arm}.{key}" for arm, table in arms.items() if isinstance(table, dict) and key in table]
+        else:
+            targets = [key]
+        for dotted in targets:
+            self.origins[dotted] = label
+            self._set(raw, dotted, value, label)
+
+    def _set(self, raw: dict, dotted: str, value: Any, label: str) -> None:
+        parts = dotted.split(".")
+        node: Any = raw
+        for depth, part in enumerate(parts[:-1]):
+            here = ".".join(parts[: depth + 1])
+            if isinstance(node, list):
+                node = node[self._index(node, part, here, label)]
+                continue
+            if not isinstance(node, dict):
+                raise SuiteError(f"{label}: {'.'.join(parts[:depth])} is not a table")
+            if part not in node:
+                if depth == 0 and part in _TABLES:
+                    node[part] = {}
+                elif depth == 1 and parts[0] == "arms":
+                    known = ", ".join(raw.get("arms", {}))
+                    raise SuiteError(f"{label}: no arm named {_show(part)} (arms: {known})")
+                else:
+                    raise SuiteError(f"{label}: unknown key {_show(here)}")
+            node = node[part]
+        last = parts[-1]
+        if isinstance(node, list):
+            node[self._index(node, last, dotted, label)] = value
+        elif isinstance(node, dict):
+            node[last] = value
+        else:
+            raise SuiteError(f"{label}: {'.'.join(parts[:-1])} is not a table")
+
+    @staticmethod
+    def _index(node: list, part: str, here: str, label: str) -> int:
+        if not part.isdigit() or int(part) >= len(node):
+            raise SuiteError(f"{label}: {here}: expected an index below {len(node)}")
+        return int(part)
+
+    # --- typed readers ---------------------------------------------------------------------
+
+    def table(self, raw: Any, dotted: str, allowed: tuple[str, ...] | dict) -> dict:
+        if not isinstance(raw, dict):
+            raise self.error(dotted, f"expected a table, got {_show(raw)}")
+        for key in raw:
+            if key not in allowed:
+                where = f"{dotted}.{key}" if dotted else key
+                raise self.error(where, f"unknown key (allowed: {', '.join(allowed)})")
+        return raw
+
+    def int_(self, value: Any, dotted: str, lo: int = 1, hi: int | None = None) -> int:
+        bounds = f">= {lo}" if hi is None else f"in {lo}-{hi}"
+        if isinstance(value, bool) or not isinstance(value, int) or value < lo or (hi is not None and value > hi):
+            raise self.error(dotted, f"expected int {bounds}, got {_show(value)}")
+        return value
+
+    def str_(self, value: Any, dotted: str, choices: tuple[str, ...] | None = None) -> str:
+        if not isinstance(value, str) or not value:
+            raise self.error(dotted, f"expected a non-empty string, got {_show(value)}")
+        if choices is not None and value not in choices:
+            raise self.error(dotted, f"expected one of {', '.join(choices)}, got {_show(value)}")
+        return value
+
+    def str_list(self, value: Any, dotted: str, choices: tuple[str, ...] | list[str]) -> tuple[str, ...]:
+        if not isinstance(value, list) or not value:
+            raise self.error(dotted, f"expected a non-empty list of strings, got {_show(value)}")
+        for i, item in enumerate(value):
+            self.str_(item, f"{dotted}.{i}", tuple(choices))
+        return tuple(value)
+
+    def train_value(self, value: Any, dotted: str, key: str) -> Any:
+        """Type-checks one TrainConfig field against the type of its default."""
+        expected = _TRAIN_FIELDS[key]
+        if expected is bool:
+            if not isinstance(value, bool):
+                raise self.error(dotted, f"expected true or false, got {_show(value)}")
+            return value
+        if expected is int:
+            return self.int_(value, dotted, lo=1 if key in _POSITIVE else 0)
+        if expected is float:
+            positive = key in _POSITIVE
+            number = not isinstance(value, bool) and isinstance(value, (int, float)) and math.isfinite(value)
+            if not number or (positive and value <= 0):
+                raise self.error(dotted, f"expected a {'number > 0' if positive else 'finite number'}, got {_show(value)}")
+            return float(value)
+        if expected is str:
+            return self.str_(value, dotted)
+        return value
+
+    # --- the suite -------------------------------------------------------------------------
+
+    def suite(self, raw: dict, path: Path) -> SuiteSpec:
+        self.table(raw, "", _TOP_KEYS)
+        for key in ("name", "description", "ranks", "steps", "arms"):
+            if key not in raw:
+                raise self.error(key, "missing")
+        name = self.str_(raw["name"], "name")
+        if not re.fullmatch(r"[a-z0-9][a-z0-9_-]*", name):
+            raise self.error("name", f"expected lowercase letters, digits, '-' or '_', got {_show(name)}")
+        description = self.str_(raw["description"], "description")
+        ranks = self.int_(raw["ranks"], "ranks", 1, MAX_RANKS)
+        steps = self.int_(raw["steps"], "steps")
+        model_table = self.table(raw.get("model", {}), "model", ("config",))
+        model = self.str_(model_table.get("config", TrainConfig.model), "model.config", tuple(CONFIGS))
+        base = self.train_table(raw.get("train", {}), "train", allowed=tuple(_TRAIN_FIELDS))
+        arms_raw = raw["arms"]
+        if not isinstance(arms_raw, dict) or not arms_raw:
+            raise self.error("arms", f"expected at least one [arms.NAME] table, got {_show(arms_raw)}")
+        arms = {arm: self.arm(arm, table, base, model, ranks) for arm, table in arms_raw.items()}
+        checks_raw = raw.get("checks", [])
+        if not isinstance(checks_raw, list):
+            raise self.error("checks", f"expected an array of [[checks]] tables, got {_show(checks_raw)}")
+        checks = tuple(self.check(c, f"checks.{i}", arms) for i, c in enumerate(checks_raw))
+        names = [c.name for c in checks]
+        for i, c in enumerate(checks):
+            if names.count(c.name) > 1:
+                raise self.error(f"checks.{i}.name", f"duplicate check name {_show(c.name)}")
+        golden_tier, golden_metrics = self.golden(raw.get("golden", {}))
+        debug = self.debug(raw.get("debug", {}), arms, steps)
+        return SuiteSpec(name, description, path, ranks, steps, arms, checks, golden_tier, golden_metrics, debug)
+
+    def train_table(self, raw: Any, dotted: str, allowed: tuple[str, ...]) -> dict[str, Any]:
+        table = self.table(raw, dotted, allowed)
+        return {k: self.train_value(v, f"{dotted}.{k}", k) for k, v in table.items() if k in _TRAIN_FIELDS}
+
+    def arm(self, name: str, raw: Any, base: dict[str, Any], model: str, suite_ranks: int) -> ArmSpec:
+        dotted = f"arms.{name}"
+        own = self.train_table(raw, dotted, allowed=("ranks", *_TRAIN_FIELDS))
+        ranks = self.int_(raw["ranks"], f"{dotted}.ranks", 1, MAX_RANKS) if "ranks" in raw else suite_ranks
+        ranks_field = f"{dotted}.ranks" if "ranks" in raw else "ranks"
+        merged = {"ep": suite_ranks, **base, **own, "model": model, "device": self.device}
+
+        def source(key: str) -> str:
+            """The field a merged value came from; ep falls back to the suite's ranks."""
+            return f"{dotted}.{key}" if key in own else f"train.{key}" if key in base else "ranks" if key == "ep" else dotted
+
+        experts = CONFIGS[model].n_routed_experts
+        if experts % merged["ep"]:
+            raise self.error(
+                source("ep"), f"EP degree {merged['ep']} does not divide the {experts} routed experts of model {_show(model)}"
+            )
+        if merged["ep"] % ranks:
+            raise self.error(ranks_field, f"{ranks} processes do not divide EP degree {merged['ep']} of arm {_show(name)}")
+        try:
+            config = TrainConfig(**merged)
+        except (TypeError, ValueError) as e:
+            # The reference's own validation; its messages start with the field they reject.
+            first_word = str(e).split()[0] if str(e) else ""
+            raise self.error(source(first_word) if first_word in _TRAIN_FIELDS else dotted, str(e)) from None
+        return ArmSpec(name, ranks, dataclasses.asdict(config))
+
+    def arm_pair(self, raw: dict, dotted: str, arms: dict[str, ArmSpec]) -> tuple[str, str]:
+        if "arms" not in raw:
+            if len(arms) < 2:
+                raise self.error(dotted, "needs two arms to compare, the suite has one")
+            first, second = list(arms)[:2]
+            return first, second
+        pair = self.str_list(raw["arms"], f"{dotted}.arms", list(arms))
+        if len(pair) != 2 or pair[0] == pair[1]:
+            raise self.error(f"{dotted}.arms", f"expected two different arm names, got {_show(list(pair))}")
+        return pair[0], pair[1]
+
+    def check(self, raw: Any, dotted: str, arms: dict[str, ArmSpec]) -> CheckSpec:
+        if not isinstance(raw, dict):
+            raise self.error(dotted, f"expected a table, got {_show(raw)}")
+        if "kind" not in raw:
+            raise self.error(f"{dotted}.kind", f"missing (one of {', '.join(CHECK_KINDS)})")
+        kind = self.str_(raw["kind"], f"{dotted}.kind", CHECK_KINDS)
+        name = self.str_(raw["name"], f"{dotted}.name") if "name" in raw else None
+        if kind == "token-exchange-invariants":
+            self.table(raw, dotted, ("kind", "name", "arms"))
+            chosen = self.str_list(raw["arms"], f"{dotted}.arms", list(arms)) if "arms" in raw else tuple(arms)
+            return CheckSpec(kind, name or "token-exchange", chosen)
+        if kind == "same-event-sequence":
+            self.table(raw, dotted, ("kind", "name", "arms"))
+            a, b = self.arm_pair(raw, dotted, arms)
+            return CheckSpec(kind, name or f"{a} vs {b}: events", (a, b))
+        if kind == "determinism":
+            self.table(raw, dotted, ("kind", "name", "arms", "metrics"))
+            a, b = self.arm_pair(raw, dotted, arms)
+            if arms[a].train != arms[b].train:
+                diff = sorted(k for k in arms[a].train if arms[a].train[k] != arms[b].train[k])
+                raise self.error(f"{dotted}.arms", f"determinism needs identical arms; {a} and {b} differ in {', '.join(diff)}")
+            metrics = self.metric_list(raw, dotted, DETERMINISM_METRICS)
+            return CheckSpec(kind, name or f"{a} vs {b}", (a, b), metrics)
+        a, b = self.arm_pair(raw, dotted, arms)
+        metrics = self.metric_list(raw, dotted, DEFAULT_METRICS)
+        return CheckSpec(kind, name or f"{a} vs {b}", (a, b), metrics, self.tier(raw, dotted))
+
+    def metric_list(self, raw: dict, dotted: str, default: tuple[str, ...]) -> tuple[str, ...]:
+        return self.str_list(raw["metrics"], f"{dotted}.metrics", METRIC_COLUMNS) if "metrics" in raw else default
+
+    def tier(self, raw: dict, dotted: str) -> dict[str, Any]:
+        try:
+            return tier_from_spec(raw).spec()
+        except ValueError as e:
+            raise self.error(dotted, str(e)) from None
+
+    def golden(self, raw: Any) -> tuple[dict[str, Any], tuple[str, ...]]:
+        # The tier parser rejects fields the tier lacks; "arms" and "name" mean nothing here.
+        if not isinstance(raw, dict):
+            raise self.error("golden", f"expected a table, got {_show(raw)}")
+        for key in ("arms", "name"):
+            if key in raw:
+                raise self.error(f"golden.{key}", "unknown key (allowed: kind, metrics and the tier's fields)")
+        metrics = self.metric_list(raw, "golden", DEFAULT_METRICS)
+        return self.tier({"kind": "exact", **raw}, "golden"), metrics
+
+    def debug(self, raw: Any, arms: dict[str, ArmSpec], steps: int) -> DebugSpec:
+        table = self.table(raw, "debug", tuple(f.name for f in dataclasses.fields(DebugSpec)))
+        arm = self.str_(table["fail_arm"], "debug.fail_arm", tuple(arms)) if "fail_arm" in table else next(iter(arms))
+        return DebugSpec(
+            fail_step=self.int_(table["fail_step"], "debug.fail_step", 1, steps) if "fail_step" in table else None,
+            fail_rank=self.int_(table.get("fail_rank", 0), "debug.fail_rank", 0, arms[arm].ranks - 1),
+            fail_mode=self.str_(table.get("fail_mode", "raise"), "debug.fail_mode", FAIL_MODES),
+            fail_arm=arm,
+        )

@@ -1,0 +1,82 @@
+"""Fixtures for tests that run the harness for real: its CLI in a subprocess, and /proc scans."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+@dataclass
+class CliRun:
+    returncode: int
+    stdout: str
+    stderr: str
+    elapsed_s: float
+
+    def summary(self, run_dir: Path) -> dict:
+        return json.loads((run_dir / "summary.json").read_text())
+
+    def check(self, run_dir: Path, name: str) -> dict:
+        return next(c for c in self.summary(run_dir)["checks"] if c["name"] == name)
+
+
+def _command(args: tuple) -> list[str]:
+    return [sys.executable, "-m", "harness", *map(str, args)]
+
+
+@pytest.fixture
+def run_harness() -> Callable[..., CliRun]:
+    """``run_harness("run", "determinism", "--steps", 3)``: the real CLI, waited for."""
+
+    def run(*args: object, timeout: float = 240) -> CliRun:
+        start = time.monotonic()
+        proc = subprocess.run(_command(args), cwd=REPO, capture_output=True, text=True, timeout=timeout)
+        return CliRun(proc.returncode, proc.stdout, proc.stderr, time.monotonic() - start)
+
+    return run
+
+
+@pytest.fixture
+def start_harness() -> Callable[..., subprocess.Popen]:
+    """The real CLI, started and not waited for; killed at teardown if still running."""
+    started: list[subprocess.Popen] = []
+
+    def start(*args: object) -> subprocess.Popen:
+        proc = subprocess.Popen(_command(args), cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        started.append(proc)
+        return proc
+
+    yield start
+    for proc in started:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+@pytest.fixture
+def processes_mentioning() -> Callable[[str], list[str]]:
+    """Command lines of live processes that contain a string (a run directory): orphan detection."""
+
+    def scan(text: str) -> list[str]:
+        found = []
+        for entry in Path("/proc").iterdir():
+            if not entry.name.isdigit():
+                continue
+            try:
+                cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+            except OSError:
+                continue
+            if text in cmdline:
+                found.append(f"{entry.name}: {cmdline}")
+        return found
+
+    return scan

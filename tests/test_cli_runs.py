@@ -1,0 +1,151 @@
+"""`harness run` end to end on real gloo ranks: each exit code and failure path, for real."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from harness.golden import PROVENANCE_KEYS, env_key
+from harness.records import read_jsonl
+
+CPU_KEY = env_key("cpu", "gloo", "float32", torch.__version__)
+HANG_TIMEOUT_S = 25
+
+
+def test_two_runs_at_once_both_pass(start_harness, tmp_path: Path) -> None:
+    runs = {
+        "logical-ranks": start_harness("run", "logical-ranks", "--steps", 3, "--out", tmp_path / "logical-ranks"),
+        "determinism": start_harness("run", "determinism", "--steps", 3, "--out", tmp_path / "determinism"),
+    }
+    for suite, proc in runs.items():
+        stdout, stderr = proc.communicate(timeout=240)
+        assert proc.returncode == 0, f"{suite}:\n{stdout}\n{stderr}"
+        run_dir = tmp_path / suite
+        summary = json.loads((run_dir / "summary.json").read_text())
+        assert summary["verdict"] == "pass" and summary["exit_code"] == 0
+        for arm in summary["arms"]:
+            assert [r["step"] for r in read_jsonl(run_dir / "arms" / arm / "metrics.jsonl")] == [1, 2, 3]
+        assert {"report.html", "junit.xml", "manifest.json"} <= {p.name for p in run_dir.iterdir()}
+        assert f"run dir: {run_dir}" in stdout
+    assert (tmp_path / "logical-ranks" / "logs" / "procs" / "rank1.log").is_file()
+    assert (tmp_path / "determinism" / "logs" / "rank1.log").is_file()
+
+
+def test_perturbed_arm_exits_1_naming_the_first_divergent_step(run_harness, tmp_path: Path) -> None:
+    out = tmp_path / "run"
+    run = run_harness("run", "logical-ranks", "--steps", 3, "--set", "arms.inproc.lr=0.01", "--out", out)
+    assert run.returncode == 1, run.stdout + run.stderr
+    loss = run.check(out, "procs vs inproc: loss")
+    # Step 1's loss is computed before the first update, so a learning rate shows from step 2.
+    assert loss["status"] == "fail" and loss["first_divergent_step"] == 2
+    assert set(loss["values"]) == {"procs", "inproc"}
+    assert "first divergence at step 2" in run.stdout
+    assert run.summary(out)["verdict"] == "fail"
+
+    (out / "report.html").unlink()
+    rerendered = run_harness("report", out)
+    assert rerendered.returncode == 0, rerendered.stderr
+    assert (out / "report.html").is_file() and "FAIL" in rerendered.stdout
+
+
+def test_rank_that_raises_exits_3_and_shows_its_traceback(run_harness, processes_mentioning, tmp_path: Path) -> None:
+    out = tmp_path / "run"
+    run = run_harness(
+        "run", "logical-ranks", "--steps", 3, "--out", out, "--set", "debug.fail_step=2", "--set", "debug.fail_rank=1"
+    )
+    assert run.returncode == 3, run.stdout + run.stderr
+    assert "rank 1 of group 'procs' failed" in run.stderr
+    assert "Traceback (most recent call last)" in run.stderr
+    assert "RuntimeError: injected failure" in run.stderr
+    summary = run.summary(out)
+    assert summary["verdict"] == "error" and summary["exit_code"] == 3
+    assert summary["arms"]["procs"]["steps_completed"] == 1  # the finished step stays on disk
+    assert run.check(out, "launch: procs")["status"] == "error"
+    assert not processes_mentioning(str(out))
+
+
+def test_rank_that_hangs_is_dumped_and_killed_at_the_timeout(run_harness, processes_mentioning, tmp_path: Path) -> None:
+    out = tmp_path / "run"
+    run = run_harness(
+        "run", "logical-ranks", "--steps", 3, "--out", out, "--timeout", HANG_TIMEOUT_S,
+        "--set", "debug.fail_step=2", "--set", "debug.fail_rank=1", "--set", "debug.fail_mode=hang",
+    )  # fmt: skip
+    assert run.returncode == 3, run.stdout + run.stderr
+    summary = run.summary(out)
+    assert summary["launches"][0]["timed_out"]
+    assert summary["duration_s"] < HANG_TIMEOUT_S + 5
+    assert run.elapsed_s < HANG_TIMEOUT_S + 20  # + interpreter start-up, report writing
+    logs = {k: (out / "logs" / "procs" / f"rank{k}.log").read_text() for k in (0, 1)}
+    assert all("(most recent call first)" in log for log in logs.values()), logs
+    assert "_inject_fault" in logs[1]  # the hung rank's stack shows where it hangs
+    assert not processes_mentioning(str(out))
+
+
+BAD_SUITE = """
+name = "bad"
+description = "a suite with a wrong type"
+ranks = 2
+steps = 3
+[arms.eager]
+chunking = "eager"
+chunks = "two"
+"""
+
+
+def test_bad_suite_exits_2_naming_file_and_field(run_harness, tmp_path: Path) -> None:
+    suite = tmp_path / "bad.toml"
+    suite.write_text(BAD_SUITE)
+    run = run_harness("run", suite, "--out", tmp_path / "run")
+    assert run.returncode == 2
+    assert f'{suite}: arms.eager.chunks: expected int >= 1, got "two"' in run.stderr
+    assert not (tmp_path / "run").exists()
+
+
+def test_bad_set_exits_2_naming_the_override(run_harness, tmp_path: Path) -> None:
+    run = run_harness("run", "logical-ranks", "--set", "arms.procs.chunks=two", "--out", tmp_path / "run")
+    assert run.returncode == 2
+    assert '--set arms.procs.chunks: expected int >= 1, got "two"' in run.stderr
+    assert not (tmp_path / "run").exists()
+
+
+def _golden_of(suite: str) -> str:
+    trajectory = {"start_step": 1, "end_step": 1, "values": {"1": 1.0}}
+    return json.dumps({
+        "schema": 1, "suite": suite, "env_key": CPU_KEY, "provenance": dict.fromkeys(PROVENANCE_KEYS, "x"),
+        "tier": {"kind": "exact"}, "arms": {"first": {"loss": trajectory}},
+    })  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "content,message",
+    [("{not json", "invalid JSON"), (_golden_of("logical-ranks"), "golden is for suite 'logical-ranks'")],
+    ids=["corrupt", "other-suite"],
+)
+def test_corrupt_or_mismatched_golden_exits_2_naming_the_file(run_harness, tmp_path: Path, content: str, message: str) -> None:
+    golden = tmp_path / "golden" / "determinism" / f"{CPU_KEY}.json"
+    golden.parent.mkdir(parents=True)
+    golden.write_text(content)
+    run = run_harness("run", "determinism", "--golden-dir", tmp_path / "golden", "--out", tmp_path / "run")
+    assert run.returncode == 2, run.stdout + run.stderr
+    assert str(golden) in run.stderr and message in run.stderr
+    assert not (tmp_path / "run").exists()
+
+
+def test_golden_update_then_a_drifted_golden_fails_the_run(run_harness, tmp_path: Path) -> None:
+    common = ("determinism", "--ranks", 1, "--steps", 2, "--golden-dir", tmp_path / "golden")
+    update = run_harness("golden", "update", *common, "--out", tmp_path / "update")
+    assert update.returncode == 0, update.stdout + update.stderr
+    golden = tmp_path / "golden" / "determinism" / f"{CPU_KEY}.json"
+    assert "golden determinism/" in update.stdout and "new file" in update.stdout
+
+    data = json.loads(golden.read_text())
+    data["arms"]["first"]["loss"]["values"]["2"] += 1e-9
+    golden.write_text(json.dumps(data))
+    check = run_harness("run", *common, "--out", tmp_path / "check")
+    assert check.returncode == 1, check.stdout + check.stderr
+    drifted = check.check(tmp_path / "check", "golden:first:loss")
+    assert drifted["status"] == "fail" and drifted["first_divergent_step"] == 2
+    assert check.check(tmp_path / "check", "golden:second:loss")["status"] == "pass"
