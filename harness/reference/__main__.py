@@ -2,6 +2,7 @@
 
     python -m harness.reference --ep 2 --ranks 2 --steps 5
     python -m harness.reference --ep 2 --ranks 1 --steps 5   # same output, bit for bit
+    python -m harness.reference --ep 2 --steps 5 --chunks 2 --chunking graph   # = --chunking eager
 """
 
 from __future__ import annotations
@@ -9,7 +10,7 @@ from __future__ import annotations
 import argparse
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
-from harness.reference.train import ROUTINGS, TrainConfig, print_trajectory
+from harness.reference.train import CHUNKINGS, ROUTINGS, TrainConfig, print_trajectory
 
 
 def main() -> None:
@@ -17,7 +18,8 @@ def main() -> None:
     parser.add_argument("--ep", type=int, default=2, help="logical expert-parallel degree")
     parser.add_argument("--ranks", type=int, default=None, help="processes hosting the EP group (default: ep)")
     parser.add_argument("--steps", type=int, default=5)
-    parser.add_argument("--chunks", type=int, default=1, help="eager-chunk the MoE layers into this many chunks")
+    parser.add_argument("--chunks", type=int, default=1, help="chunk the MoE layers into this many chunks")
+    parser.add_argument("--chunking", choices=CHUNKINGS, help="how to chunk (default: eager when --chunks > 1)")
     parser.add_argument("--routing", choices=ROUTINGS, default="forced-balanced")
     parser.add_argument("--model", default="cpu-tiny")
     parser.add_argument("--timing", action="store_true", help="add step_time_s to every line")
@@ -29,7 +31,7 @@ def main() -> None:
         model=args.model,
         ep=args.ep,
         routing=args.routing,
-        chunking="eager" if args.chunks > 1 else "none",
+        chunking=args.chunking or ("eager" if args.chunks > 1 else "none"),
         chunks=args.chunks,
     )
     if ranks == 1:

@@ -4,6 +4,8 @@ A :class:`Trainer` is built in every process of a run. It hosts the logical EP r
 process (data parallel = expert parallel, as in torchtitan's dp_shard=ep), one model replica and
 one thread each. A step runs forward, loss and backward on every logical rank, sums the replicated
 gradients over logical ranks in logical-rank order, clips by the global norm and steps AdamW.
+The traced chunkings run forward, loss and backward as one FX graph, traced once when the
+Trainer is built (see :mod:`harness.reference.chunking.pipeline`); the rest of the step is shared.
 Loss and grad norm are reduced the same canonical way, so they are identical on every process
 and bitwise independent of how many processes host the EP group.
 """
@@ -20,14 +22,19 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
-from harness.reference.chunking.eager import apply_eager_chunking
+from harness.reference.chunking.eager import SPLIT_DIMS, apply_eager_chunking
+from harness.reference.chunking.pipeline import FAULTS, GraphStep, build_graph_step
 from harness.reference.chunking.schedule import EPScheduler
 from harness.reference.ep.exchange import EventSink, TokenExchange, bind
 from harness.reference.ep.group import LogicalGroup
-from harness.reference.model import DeepseekV3ForCausalLM, causal_lm_loss, get_config
+from harness.reference.model import DeepseekV3ForCausalLM, MLAttention, causal_lm_loss, get_config
 
 ROUTINGS = ("forced-balanced", "learned")
-CHUNKINGS = ("none", "eager")
+# "eager-traced" and "graph" run one traced train step (forward, loss, backward) per rank instead
+# of eager autograd: eager chunking then traced, or the unchunked model traced then graph-chunked.
+CHUNKINGS = ("none", "eager", "eager-traced", "graph")
+TRACED = ("eager-traced", "graph")
+ATTENTION = "model.layers.*.self_attn"
 # Called with (logical rank, step, {param name: gradient}) once gradients are final, before clipping.
 GradSink = Callable[[int, int, dict], None]
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -52,12 +59,22 @@ class TrainConfig:
     num_buffer_sets: int = 2
     device: str = "cpu"
     dtype: str = "float32"
+    fault: str = "none"  # graph arm only: a deliberate bug (pipeline.FAULTS) the checks must catch
+    compile_attention: bool = False  # regional Inductor: only the attention modules are compiled
 
     def __post_init__(self) -> None:
         if self.routing not in ROUTINGS:
             raise ValueError(f"routing must be one of {ROUTINGS}, got {self.routing!r}")
         if self.chunking not in CHUNKINGS:
             raise ValueError(f"chunking must be one of {CHUNKINGS}, got {self.chunking!r}")
+        if self.fault not in FAULTS:
+            raise ValueError(f"fault must be one of {FAULTS}, got {self.fault!r}")
+        if self.fault != "none" and self.chunking != "graph":
+            raise ValueError(f"fault {self.fault!r} breaks a graph pass: it needs chunking = 'graph'")
+        if self.chunking in TRACED and self.routing != "forced-balanced":
+            raise ValueError(f"chunking {self.chunking!r} traces static exchange sizes: it needs forced-balanced routing")
+        if self.compile_attention and self.chunking in TRACED and self.chunk_roots == "block":
+            raise ValueError("compile_attention of a traced arm needs chunk_roots = 'moe': attention must stay unchunked")
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {tuple(DTYPES)}, got {self.dtype!r}")
         if self.ep < 1 or self.chunks < 1 or self.num_buffer_sets < 1:
@@ -96,7 +113,11 @@ class _Replica:
         self.model.init_weights(torch.Generator().manual_seed(config.seed))
         self.model.set_forced_balanced(config.routing == "forced-balanced")
         self.model.to(device=device, dtype=DTYPES[config.dtype])
-        if config.chunking == "eager":
+        if config.compile_attention and config.chunking not in TRACED:  # traced arms compile graph regions
+            for module in self.model.modules():
+                if isinstance(module, MLAttention):
+                    module.compile()
+        if config.chunking in ("eager", "eager-traced"):
             apply_eager_chunking(
                 self.model,
                 chunks=config.chunks,
@@ -104,7 +125,9 @@ class _Replica:
                 split=config.chunk_dim,
                 scheduler=EPScheduler(config.num_buffer_sets),
             )
-        tokens = config.local_batch * config.seq_len // (config.chunks if config.chunking != "none" else 1)
+        # The clone-forward-only fault exchanges whole batches in backward.
+        whole = config.chunking == "none" or config.fault == "clone-forward-only"
+        tokens = config.local_batch * config.seq_len // (1 if whole else config.chunks)
         rows = tokens * cfg.num_experts_per_tok
         # Forced-balanced routing fixes the receive size exactly; learned routing may send a rank everything.
         capacity = rows if config.routing == "forced-balanced" else rows * config.ep
@@ -121,7 +144,9 @@ class _Replica:
         self.expert_params = self.model.expert_parameters()
         expert_ids = {id(p) for p in self.expert_params}
         self.dense_params = [p for p in self.model.parameters() if id(p) not in expert_ids]
-        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=config.lr, foreach=False)
+        self.params = list(self.model.parameters())
+        self.buffers = list(self.model.buffers())
+        self.optimizer = torch.optim.AdamW(self.params, lr=config.lr, foreach=False)
 
 
 class Trainer:
@@ -139,12 +164,37 @@ class Trainer:
         self.cfg = get_config(config.model)
         self.replicas = {r: _Replica(config, self.group, r, self.device, event_sink) for r in self.logical_ranks}
         self.moe_layers = self.replicas[self.logical_ranks[0]].model.moe_layers
+        self.graph_step = self._build_graph_step() if config.chunking in TRACED else None
         self._threads = ThreadPoolExecutor(len(self.logical_ranks)) if len(self.logical_ranks) > 1 else None
 
     def _device(self) -> torch.device:
         if self.config.device != "cuda":
             return torch.device("cpu")
         return torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)) % torch.cuda.device_count())
+
+    def _build_graph_step(self) -> GraphStep:
+        """Traced once, from the first local replica; every replica runs it with its own tensors."""
+        config = self.config
+        rank = self.logical_ranks[0]
+        batch = [t.to(self.device) for t in synthetic_batch(config, self.cfg.vocab_size, 0, rank)]
+        return build_graph_step(
+            self.replicas[rank].model,
+            batch,
+            lambda model, inputs, labels: causal_lm_loss(model(inputs), labels),
+            mode=config.chunking,
+            chunks=config.chunks,
+            chunk_roots=config.chunk_roots,
+            chunk_dim=SPLIT_DIMS[config.chunk_dim],
+            num_buffer_sets=config.num_buffer_sets,
+            loss_divisor=config.ep,
+            fault=config.fault,
+            inductor_pattern=ATTENTION if config.compile_attention else None,
+        )
+
+    @property
+    def graph_checks(self) -> list[dict]:
+        """Static checks of the traced graph (empty for eager arms): name, status, detail, problems."""
+        return [asdict(check) for check in self.graph_step.checks] if self.graph_step else []
 
     def describe(self) -> dict:
         return {**asdict(self.config), "logical_ranks": self.logical_ranks, "moe_layers": self.moe_layers}
@@ -188,10 +238,15 @@ class Trainer:
         replica = self.replicas[rank]
         replica.exchange.step = step
         inputs, labels = synthetic_batch(self.config, self.cfg.vocab_size, step, rank)
+        inputs, labels = inputs.to(self.device), labels.to(self.device)
         with bind(replica.exchange):
-            logits = replica.model(inputs.to(self.device))
-            loss = causal_lm_loss(logits, labels.to(self.device))
-            (loss / self.config.ep).backward()
+            if self.graph_step is None:
+                loss = causal_lm_loss(replica.model(inputs), labels)
+                (loss / self.config.ep).backward()
+            else:
+                loss, grads = self.graph_step(replica.params, replica.buffers, inputs, labels)
+                for p, g in zip(replica.params, grads):
+                    p.grad = g.contiguous()  # the layout eager autograd gives a fresh .grad
         self._sum_dense_grads(rank, replica)
         if self.grad_sink is not None:
             self.grad_sink(rank, step, {n: p.grad for n, p in replica.model.named_parameters()})

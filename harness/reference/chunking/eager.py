@@ -9,11 +9,13 @@ with ``cat``. Parameter names do not change.
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import torch.fx.traceback as fx_traceback
 from torch import nn
 
-from harness.reference.chunking.schedule import EPScheduler
+from harness.reference.chunking.schedule import EPScheduler, Owner
 from harness.reference.ep.exchange import region
 from harness.reference.model import DeepseekV3ForCausalLM, MoE
 
@@ -25,14 +27,25 @@ def chunk_metadata(chunk: int, fqn: str) -> dict:
     return {"chunk_id": chunk, "region": fqn, "role": "body"}
 
 
+def _annotate(metadata: dict) -> contextlib.AbstractContextManager:
+    """Annotate only while a tracer records node metadata.
+
+    The annotation state is process-global, not per thread: logical ranks that run eagerly in
+    threads would race on it and leave stale chunk metadata for the next trace.
+    """
+    return fx_traceback.annotate(metadata) if fx_traceback.has_preserved_node_meta() else contextlib.nullcontext()
+
+
 def run_chunked(module: nn.Module, fqn: str, layer: int, x: torch.Tensor, chunks: int, dim: int, scheduler: EPScheduler) -> torch.Tensor:
     if x.shape[dim] % chunks:
         raise ValueError(f"{fqn}: dim {dim} of size {x.shape[dim]} does not split into {chunks} chunks")
     states = [{"x": part, "buffer_set": scheduler.buffer_set(c)} for c, part in enumerate(x.chunk(chunks, dim))]
     stages = module.stages()
-    for chunk, index in scheduler.order([[stage.kind for stage in stages]] * chunks):
-        with region(layer=layer, chunk=chunk), fx_traceback.annotate(chunk_metadata(chunk, fqn)):
-            stages[index].run(states[chunk])
+    items = [(Owner(fqn, False, chunk), stage.kind) for chunk in range(chunks) for stage in stages]
+    for index in scheduler.order_owned(items):
+        chunk, stage = divmod(index, len(stages))
+        with region(layer=layer, chunk=chunk), _annotate(chunk_metadata(chunk, fqn)):
+            stages[stage].run(states[chunk])
     return torch.cat([state["out"] for state in states], dim)
 
 

@@ -1,7 +1,9 @@
 """The EP overlap scheduler shared by eager and graph chunking.
 
-Both chunking paths describe a chunked region the same way: per chunk, an ordered list of stage
-kinds, each ``"launch"``, ``"wait"`` or ``"compute"``. The scheduler returns one interleaving:
+Both chunking paths hand it the same description of one region and direction: a sequence of
+items (eager stages or graph nodes), each with its :class:`Owner` (root fqn, forward or backward,
+chunk id) and kind (``"launch"``, ``"wait"`` or ``"compute"``), in each chunk's own order. The
+scheduler returns one interleaving:
 
 * chunks are visited in order 0..C-1 in forward and C-1..0 in backward;
 * a chunk's k-th wait is held back until the next chunk has issued its k-th launch, so the next
@@ -9,28 +11,63 @@ kinds, each ``"launch"``, ``"wait"`` or ``"compute"``. The scheduler returns one
 * buffer reuse: a chunk's first launch waits until the previous chunk on the same buffer set
   (``chunk - num_buffer_sets``) has issued its last launch (its combine). With one buffer set
   nothing can overlap, and chunks simply run one after another.
+
+Compute never blocks, so the order of launches and waits depends only on each chunk's sequence
+of launches and waits, not on how finely its compute is cut into items.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Sequence
+
+KINDS = ("launch", "wait", "compute")
+
+
+@dataclass(frozen=True)
+class Owner:
+    """Who a stage or graph node belongs to: one chunk of one direction of one chunked region."""
+
+    root: str
+    backward: bool
+    chunk: int
 
 
 @dataclass(frozen=True)
 class EPScheduler:
     num_buffer_sets: int = 2
+    reverse_backward: bool = True  # False only to inject the bug of running backward chunks in forward order
 
     def buffer_set(self, chunk: int) -> int:
         return chunk % self.num_buffer_sets
 
+    def order_owned(self, items: Sequence[tuple[Owner, str]]) -> list[int]:
+        """Order the items of one region and direction; returns indices into ``items``."""
+        if len({(owner.root, owner.backward) for owner, _ in items}) != 1:
+            raise ValueError("order_owned takes the items of exactly one region and direction")
+        chunks = sorted({owner.chunk for owner, _ in items})
+        if chunks != list(range(len(chunks))):
+            raise ValueError(f"chunk ids must be 0..C-1, got {chunks}")
+        per_chunk: list[list[int]] = [[] for _ in chunks]
+        for index, (owner, kind) in enumerate(items):
+            if kind not in KINDS:
+                raise ValueError(f"unknown item kind {kind!r}")
+            per_chunk[owner.chunk].append(index)
+        kinds = [[items[i][1] for i in indices] for indices in per_chunk]
+        backward = items[0][0].backward
+        return [per_chunk[chunk][pos] for chunk, pos in self.order(kinds, backward=backward)]
+
     def order(self, kinds_per_chunk: list[list[str]], backward: bool = False) -> list[tuple[int, int]]:
         """Return ``(chunk, stage index)`` pairs covering every stage exactly once."""
         num_chunks = len(kinds_per_chunk)
-        visit = list(range(num_chunks))[::-1] if backward else list(range(num_chunks))
+        visit = list(range(num_chunks))
+        if backward and self.reverse_backward:
+            visit.reverse()
         cursor = [0] * num_chunks
         launched = [0] * num_chunks
         total_launches = [kinds.count("launch") for kinds in kinds_per_chunk]
         waited = [0] * num_chunks
+        total = sum(map(len, kinds_per_chunk))
         schedule: list[tuple[int, int]] = []
 
         def ready(pos: int) -> bool:
@@ -43,7 +80,7 @@ class EPScheduler:
                 return launched[previous] == total_launches[previous]
             return True
 
-        while len(schedule) < sum(map(len, kinds_per_chunk)):
+        while len(schedule) < total:
             for pos, chunk in enumerate(visit):
                 if cursor[chunk] < len(kinds_per_chunk[chunk]) and ready(pos):
                     kind = kinds_per_chunk[chunk][cursor[chunk]]

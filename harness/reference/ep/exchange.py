@@ -15,6 +15,7 @@ import threading
 from typing import Callable, Iterator
 
 import torch
+from torch.fx.node import has_side_effect
 
 from harness.reference.ep.group import LogicalGroup, PendingExchange
 
@@ -46,6 +47,14 @@ def region(**fields: object) -> Iterator[None]:
         yield
     finally:
         _local.region = previous
+
+
+def set_region(phase: str, layer: int, chunk: int) -> None:
+    """Set where the next exchange ops sit. Graphs call this before each op: they have no ``with``."""
+    _local.region = {"phase": phase, "layer": layer, "chunk": chunk}
+
+
+has_side_effect(set_region)
 
 
 @contextlib.contextmanager

@@ -1,0 +1,223 @@
+"""The traced train step of the graph arms: trace, chunk, set buffer sets, schedule, check, mark regions.
+
+This is where the generic passes of :mod:`~harness.reference.chunking.graph` meet this reference's
+MinimalAsyncEP-style ops: which nodes are launches and waits, what each MoE layer must exchange,
+and how a running exchange op learns its (phase, layer, chunk) for its events.
+
+Two arms build a :class:`GraphStep`:
+
+* ``"graph"``: the *unchunked* model traced with a symbolic chunk dim, then the chunk pass, the
+  buffer-set pass and the scheduler;
+* ``"eager-traced"``: the eagerly chunked model (already tagged with chunk metadata) traced with
+  static shapes, then the same scheduler.
+
+Both get the same static checks. A fault, for proving the checks catch real bugs, breaks one step
+of the ``"graph"`` arm. A pass that rejects the graph is reported as a failed check, and the graph
+runs without that pass, so the run shows its consequences as well.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field, replace
+from typing import Callable, Sequence
+
+import torch
+from torch import fx, nn
+from torch._guards import TracingContext, detect_fake_mode, tracing
+from torch.fx.passes.regional_inductor import regional_inductor
+
+from harness.reference.chunking.checks import (
+    GraphCheck,
+    check_buffer_sets,
+    check_chunk_order,
+    check_exchange_counts,
+    check_launch_wait_pairs,
+)
+from harness.reference.chunking.graph import (
+    ChunkingError,
+    ExchangeMarkers,
+    assign_buffer_sets,
+    chunk_regions,
+    match_root,
+    owner_of,
+    schedule_regions,
+)
+from harness.reference.chunking.schedule import EPScheduler
+from harness.reference.chunking.trace import (
+    LossFn,
+    TracedStep,
+    check_chunkable,
+    is_backward,
+    node_fqn,
+    trace_train_step,
+)
+from harness.reference.ep import ops
+from harness.reference.ep.exchange import POOL_OF, region, set_region
+from harness.reference.model import MoE
+
+ROOT_PATTERNS = {"moe": "model.layers.*.mlp", "block": "model.layers.*"}
+FAULTS = ("none", "skip-buffer-pass", "drop-wait", "forward-order-backward", "clone-forward-only")
+
+MARKERS = ExchangeMarkers(
+    is_launch=lambda n: n.op == "call_function" and n.target in ops.LAUNCH_OVERLOADS,
+    is_wait=lambda n: n.op == "call_function" and n.target in ops.WAIT_OVERLOADS,
+    pool=lambda n: POOL_OF[n.target._opname.removeprefix("wait_")],
+)
+# What one MoE layer exchanges per chunk: backward reverses each forward exchange (no recompute).
+EXPECTED_PER_LAYER = {
+    "fwd": Counter(dispatch=1, wait_dispatch=1, combine=1, wait_combine=1),
+    "bwd": Counter(dispatch_data=1, wait_dispatch_data=1, combine_data=1, wait_combine_data=1),
+}
+
+
+@dataclass
+class GraphStep:
+    """One traced train step, ready to run: ``step(params, buffers, *batch) -> (loss, grads)``."""
+
+    gm: fx.GraphModule
+    checks: list[GraphCheck] = field(default_factory=list)
+    boxed: bool = False  # regional Inductor leaves a graph that takes one flat list and returns a flat tuple
+
+    def __call__(self, params: Sequence[torch.Tensor], buffers: Sequence[torch.Tensor], *batch: torch.Tensor):
+        # Graph inputs must have the strides they were traced with; region() restores the
+        # thread's exchange region after the graph's set_region calls.
+        batch = tuple(t.contiguous() for t in batch)
+        with torch.no_grad(), region():
+            if not self.boxed:
+                return self.gm(list(params), list(buffers), *batch)
+            loss, *grads = self.gm([*params, *buffers, *batch])
+            return loss, grads
+
+
+def build_graph_step(
+    model: nn.Module,
+    batch: Sequence[torch.Tensor],
+    loss_fn: LossFn,
+    *,
+    mode: str,
+    chunks: int,
+    chunk_roots: str = "moe",
+    chunk_dim: int = 0,
+    num_buffer_sets: int = 2,
+    loss_divisor: float = 1.0,
+    fault: str = "none",
+    inductor_pattern: str | None = None,
+) -> GraphStep:
+    """Trace ``model``'s train step on ``batch``'s shapes and turn it into the ``mode`` arm's graph.
+
+    For ``"eager-traced"``, ``model`` must already be eagerly chunked the same way.
+    """
+    if mode not in ("graph", "eager-traced"):
+        raise ValueError(f"mode must be 'graph' or 'eager-traced', got {mode!r}")
+    symbolic = chunk_dim if mode == "graph" else None
+    traced = trace_train_step(model, batch, loss_fn, loss_divisor=loss_divisor, chunk_dim=symbolic)
+    return compile_graph_step(
+        traced, model, chunks=chunks, chunk_roots=chunk_roots, num_buffer_sets=num_buffer_sets, fault=fault,
+        inductor_pattern=inductor_pattern,
+    )
+
+
+def compile_graph_step(
+    traced: TracedStep,
+    model: nn.Module,
+    *,
+    chunks: int,
+    chunk_roots: str = "moe",
+    num_buffer_sets: int = 2,
+    fault: str = "none",
+    inductor_pattern: str | None = None,
+) -> GraphStep:
+    """Run the passes on a traced step, in place: the graph arm's if it has a chunk symbol, else eager-traced's.
+
+    ``inductor_pattern`` names modules (say ``model.layers.*.self_attn``) whose nodes, forward and
+    backward, are compiled with Inductor; everything else runs op by op.
+    """
+    if fault not in FAULTS:
+        raise ValueError(f"fault must be one of {FAULTS}, got {fault!r}")
+    gm = traced.gm
+    pattern = ROOT_PATTERNS[chunk_roots]
+    roots = [r for r in (match_root(f, pattern) for f in moe_fqns(model)) if r]
+    count = dict(root_pattern=pattern, roots=roots, expected=EXPECTED_PER_LAYER)
+    checks: list[GraphCheck] = []
+    if traced.symbol is not None:
+        check_chunkable(traced, chunks)
+        unchunked = check_exchange_counts(gm, MARKERS, chunks=None, **count)
+        checks.append(replace(unchunked, name="graph:unchunked-exchange-counts"))
+        chunk_regions(
+            gm, symbol=traced.symbol, chunks=chunks, root_pattern=pattern, is_launch=MARKERS.is_launch,
+            backward=fault != "clone-forward-only",
+        )
+        checks.append(_buffer_set_pass(gm, num_buffer_sets, skip=fault == "skip-buffer-pass"))
+    elif fault != "none":
+        raise ValueError(f"fault {fault!r} breaks a graph-chunking pass: it needs a graph traced with a chunk symbol")
+    schedule_regions(gm, EPScheduler(num_buffer_sets, reverse_backward=fault != "forward-order-backward"), MARKERS)
+    if fault == "drop-wait":
+        drop_first_wait(gm)
+    mark_exchange_regions(gm, lambda fqn: moe_layer(model, fqn))
+    if inductor_pattern is not None:
+        gm = compile_regions(gm, inductor_pattern)
+    checks += [
+        check_exchange_counts(gm, MARKERS, chunks=chunks, **count),
+        check_launch_wait_pairs(gm, MARKERS),
+        check_buffer_sets(gm, MARKERS, num_buffer_sets),
+        check_chunk_order(gm, MARKERS),
+    ]
+    return GraphStep(gm, checks, boxed=inductor_pattern is not None)
+
+
+def moe_fqns(model: nn.Module) -> list[str]:
+    return [name for name, module in model.named_modules() if isinstance(module, MoE)]
+
+
+def moe_layer(model: nn.Module, fqn: str) -> int:
+    """The layer id of the MoE at or under ``fqn`` (eager block chunking runs MoE stages from the block)."""
+    return next(m for m in model.get_submodule(fqn).modules() if isinstance(m, MoE)).layer_id
+
+
+def _buffer_set_pass(gm: fx.GraphModule, num_buffer_sets: int, *, skip: bool) -> GraphCheck:
+    name = "graph:buffer-set-pass"
+    if skip:
+        return GraphCheck(name, "skip", "buffer-set pass skipped (fault injection)")
+    try:
+        count = assign_buffer_sets(gm, num_buffer_sets)
+    except ChunkingError as error:
+        return GraphCheck(name, "fail", str(error), [str(error)])
+    return GraphCheck(name, "pass", f"{count} buffer_set arguments set from chunk ids")
+
+
+def drop_first_wait(gm: fx.GraphModule) -> None:
+    """Fault injection: the first wait's users read its launch's placeholder, never the landed rows."""
+    wait = next(n for n in gm.graph.nodes if MARKERS.is_wait(n))
+    wait.replace_all_uses_with(wait.args[0])
+    gm.graph.erase_node(wait)
+    gm.recompile()
+
+
+def compile_regions(gm: fx.GraphModule, pattern: str) -> fx.GraphModule:
+    """Regional Inductor: compile the nodes of the modules matching ``pattern``, one region per module and direction."""
+    marked = 0
+    for node in gm.graph.nodes:
+        if node.op == "call_function" and (root := match_root(node_fqn(node), pattern)):
+            if owner_of(node) is not None:
+                raise ChunkingError(f"{node.name} of {root} is in a chunk body: compile regions outside the chunked ones")
+            region_id = f"{root} {'bwd' if is_backward(node) else 'fwd'}"
+            node.meta["custom"] = {**(node.meta.get("custom") or {}), "compile_with_inductor": {"inductor_region": region_id}}
+            marked += 1
+    if not marked:
+        raise ChunkingError(f"no nodes of modules matching {pattern!r} to compile")
+    placeholders = [n.meta["val"] for n in gm.graph.nodes if n.op == "placeholder"]
+    with tracing(TracingContext(detect_fake_mode(placeholders))):
+        return regional_inductor(gm)
+
+
+def mark_exchange_regions(gm: fx.GraphModule, layer_of: Callable[[str], int]) -> None:
+    """Before every exchange op, set the (phase, layer, chunk) its events report, from node metadata."""
+    for node in list(gm.graph.nodes):
+        if MARKERS.is_launch(node) or MARKERS.is_wait(node):
+            owner = owner_of(node)
+            where = ("bwd" if is_backward(node) else "fwd", layer_of(node_fqn(node)), owner.chunk if owner else 0)
+            with gm.graph.inserting_before(node):
+                gm.graph.call_function(set_region, where)
+    gm.recompile()
+
