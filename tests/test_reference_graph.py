@@ -13,7 +13,7 @@ from distributed import run_on_ranks
 from harness.invariants import check_token_exchange
 from harness.reference.chunking.checks import exchange_inventory
 from harness.reference.chunking.graph import ChunkingError, buffer_set_of, chunk_regions
-from harness.reference.chunking.pipeline import MARKERS, ROOT_PATTERNS, GraphStep, compile_graph_step
+from harness.reference.chunking.graph_step import MARKERS, ROOT_PATTERNS, GraphStep, compile_graph_step
 from harness.reference.chunking.trace import TracedStep, is_backward, node_fqn, trace_train_step
 from harness.reference.model import DeepseekV3ForCausalLM, causal_lm_loss, get_config
 from harness.reference.train import TrainConfig, Trainer, synthetic_batch

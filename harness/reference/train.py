@@ -5,7 +5,7 @@ process (data parallel = expert parallel, as in torchtitan's dp_shard=ep), one m
 one thread each. A step runs forward, loss and backward on every logical rank, sums the replicated
 gradients over logical ranks in logical-rank order, clips by the global norm and steps AdamW.
 The traced chunkings run forward, loss and backward as one FX graph, traced once when the
-Trainer is built (see :mod:`harness.reference.chunking.pipeline`); the rest of the step is shared.
+Trainer is built (see :mod:`harness.reference.chunking.graph_step`); the rest of the step is shared.
 Loss and grad norm are reduced the same canonical way, so they are identical on every process
 and bitwise independent of how many processes host the EP group.
 """
@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 
 from harness.reference.chunking.eager import SPLIT_DIMS, apply_eager_chunking
-from harness.reference.chunking.pipeline import FAULTS, GraphStep, build_graph_step
+from harness.reference.chunking.graph_step import FAULTS, GraphStep, build_graph_step
 from harness.reference.chunking.schedule import EPScheduler
 from harness.reference.ep.exchange import EventSink, TokenExchange, bind
 from harness.reference.ep.group import LogicalGroup
