@@ -59,7 +59,7 @@ class TrainConfig:
     num_buffer_sets: int = 2
     device: str = "cpu"
     dtype: str = "float32"
-    fault: str = "none"  # graph arm only: a deliberate bug (pipeline.FAULTS) the checks must catch
+    fault: str = "none"  # graph arm only: a deliberate bug (graph_step.FAULTS) the checks must catch
     compile_attention: bool = False  # regional Inductor: only the attention modules are compiled
 
     def __post_init__(self) -> None:
