@@ -4,14 +4,19 @@ Each check targets a bug that chunked asynchronous expert parallelism invites: a
 launch or a launch never waited (a hang, or a read of a buffer nobody filled), a buffer set reused
 while an exchange on it is in flight (silent corruption), a missing or extra exchange, chunks of
 one layer exchanging differently, and eager and graph chunking issuing different exchanges.
+
+The version-protocol invariants of a delayed (versioned) pipeline are checked on its update
+records (one metrics.jsonl line per optimizer update): every batch applied exactly once, the
+gradient ages the pipeline's delay implies, and sane importance-correction statistics.
 """
 
 from __future__ import annotations
 
+import math
 from collections import Counter, defaultdict
 from collections.abc import Callable, Iterable
 
-from harness.compare import CheckResult
+from harness.compare import CheckResult, format_steps
 
 KIND = "token-exchange-invariants"
 PAIRING = "token-exchange:launch-wait-pairing"
@@ -29,7 +34,8 @@ SEQUENCE_FIELDS = ("step", "phase", "layer", "chunk", "kind", "op", "buffer_set"
 _MAX_LISTED = 20
 
 Event = dict
-Problem = tuple[int, str]  # (step, message), in the order found
+Problem = tuple[int | None, str]  # (step, message), in the order found
+Plan = dict[tuple[int, str], int]  # (step, phase) -> exchanges per MoE layer and chunk
 
 
 def _where(e: Event) -> str:
@@ -63,13 +69,13 @@ def _malformed(events: list[Event]) -> str | None:
     return None
 
 
-def _result(name: str, problems: list[Problem], passed: str) -> CheckResult:
+def _result(name: str, problems: list[Problem], passed: str, kind: str = KIND, extra: dict | None = None) -> CheckResult:
     if not problems:
-        return CheckResult(name, KIND, "pass", passed)
+        return CheckResult(name, kind, "pass", passed, extra=extra or {})
     step, message = problems[0]
     more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
-    extra = {"problems": [m for _, m in problems[:_MAX_LISTED]], "problem_count": len(problems)}
-    return CheckResult(name, KIND, "fail", message + more, first_divergent_step=step, extra=extra)
+    listed = {"problems": [m for _, m in problems[:_MAX_LISTED]], "problem_count": len(problems)}
+    return CheckResult(name, kind, "fail", message + more, first_divergent_step=step, extra={**(extra or {}), **listed})
 
 
 def _error(name: str, reason: str) -> CheckResult:
@@ -121,6 +127,37 @@ def check_buffer_reuse(events: list[Event]) -> CheckResult:
     return _result(BUFFER_REUSE, problems, passed)
 
 
+def training_plan(steps: int | Iterable[int], recompute: bool = False) -> Plan:
+    """Plain training: one forward and one backward exchange (and one recompute) per step.
+
+    steps is a count (steps 0..steps-1) or the step numbers themselves.
+    """
+    step_list = range(steps) if isinstance(steps, int) else sorted(steps)
+    phases = ("fwd", "recompute", "bwd") if recompute else ("fwd", "bwd")
+    return {(s, p): 1 for s in step_list for p in phases}
+
+
+def pipeline_plan(batches: int, delay: int, *, replay: bool, always_correct: bool) -> Plan:
+    """The delayed pipeline of ``harness.reference.pipeline``; its events' step is the tick.
+
+    Tick t forwards batch t while t < batches and, from tick ``delay`` on, backwards the forward of
+    tick t - delay (replay re-runs that forward first, as "recompute"). The ``always`` correction
+    runs one more forward, under the current weights, for each backward whose forward ran at an
+    older version: every one but the first when delay > 0 (the first ran before any update).
+    """
+    plan: Counter = Counter()
+    for tick in range(batches + delay):
+        if tick < batches:
+            plan[tick, "fwd"] += 1
+        if tick >= delay:
+            plan[tick, "bwd"] += 1
+            if replay:
+                plan[tick, "recompute"] += 1
+            if always_correct and 0 < delay < tick:
+                plan[tick, "fwd"] += 1
+    return dict(plan)
+
+
 def check_expected_counts(
     events: list[Event],
     *,
@@ -133,12 +170,15 @@ def check_expected_counts(
 
     steps is a count (steps 0..steps-1) or the step numbers themselves.
     """
+    return check_planned_counts(events, plan=training_plan(steps, recompute), moe_layers=moe_layers, chunks=chunks)
+
+
+def check_planned_counts(events: list[Event], *, plan: Plan, moe_layers: list[int], chunks: int) -> CheckResult:
+    """``plan[step, phase]`` dispatch and combine launches per (step, phase, MoE layer, chunk), nothing else."""
     if reason := _malformed(events):
         return _error(COUNTS, reason)
-    step_list = list(range(steps)) if isinstance(steps, int) else sorted(steps)
-    phases = ("fwd", "recompute", "bwd") if recompute else ("fwd", "bwd")
     expected = Counter(
-        (s, p, layer, c, k) for s in step_list for p in phases for layer in moe_layers for c in range(chunks) for k in KINDS
+        {(s, p, layer, c, k): n for (s, p), n in plan.items() for layer in moe_layers for c in range(chunks) for k in KINDS}
     )
     actual = Counter((e["step"], e["phase"], e["layer"], e["chunk"], e["kind"]) for e in events if e["op"] == "launch")
     places = sorted({key[:4] for key in expected | actual}, key=lambda k: (k[0], PHASES.index(k[1]), k[2], k[3]))
@@ -150,8 +190,9 @@ def check_expected_counts(
             state = "missing" if not any(got) else "unexpected" if not any(want) else "wrong count"
             counts = ", ".join(f"{k} {g} (expected {w})" for k, g, w in zip(KINDS, got, want))
             problems.append((s, f"step {s} {p} layer {layer} chunk {c}: {state}: {counts} launches"))
+    per_phase = ", ".join(f"{p} {sum(n for (_, q), n in plan.items() if q == p)}" for p in PHASES if any(q == p for _, q in plan))
     passed = (
-        f"{sum(actual.values())} launches = {len(step_list)} steps x {len(phases)} phases x"
+        f"{sum(actual.values())} launches = {sum(plan.values())} exchanges ({per_phase}) x"
         f" {len(moe_layers)} MoE layers x {chunks} chunks x dispatch+combine"
     )
     return _result(COUNTS, problems, passed)
@@ -229,16 +270,23 @@ def check_token_exchange(
     chunks: int,
     recompute: bool = False,
 ) -> list[CheckResult]:
+    """check_planned_exchanges for plain training (training_plan)."""
+    plan = training_plan(steps, recompute)
+    return check_planned_exchanges(events_by_rank, plan=plan, moe_layers=moe_layers, chunks=chunks)
+
+
+def check_planned_exchanges(
+    events_by_rank: dict[int, list[Event]], *, plan: Plan, moe_layers: list[int], chunks: int
+) -> list[CheckResult]:
     """Runs the four single-arm invariants on every rank's events; one merged result per invariant.
 
     A rank with no events fails every invariant when there are MoE layers: an empty log must
     never pass for a run that should have exchanged tokens.
     """
-    step_list = list(range(steps)) if isinstance(steps, int) else sorted(steps)
     checks: list[tuple[str, Callable[[list[Event]], CheckResult]]] = [
         (PAIRING, check_launch_wait_pairing),
         (BUFFER_REUSE, check_buffer_reuse),
-        (COUNTS, lambda ev: check_expected_counts(ev, steps=step_list, moe_layers=moe_layers, chunks=chunks, recompute=recompute)),
+        (COUNTS, lambda ev: check_planned_counts(ev, plan=plan, moe_layers=moe_layers, chunks=chunks)),
         (CHUNK_SIGNATURES, check_chunk_signatures),
     ]
     results = []
@@ -252,3 +300,123 @@ def check_token_exchange(
                 per_rank[rank] = check(events)
         results.append(_merge(name, per_rank))
     return results
+
+
+# --- the version protocol of a delayed pipeline, on its update records ----------------------
+
+EXACTLY_ONCE = "exactly-once"
+STALENESS_AGES = "staleness-ages"
+CORRECTION_STATS = "correction-stats"
+# The reference clamps importance weights to [0, 5]: clamp(exp(lp_now - lp_then), 0, 5).
+CORRECTION_CLIP = 5.0
+
+Update = dict  # one metrics.jsonl record of a versioned arm: step, batches_applied, ages, correction_*
+
+
+def _int_lists(updates: list[Update], field: str) -> str | None:
+    """Why ``field`` is not a list of ints in every update, or None."""
+    for u in updates:
+        values = u.get(field)
+        if not isinstance(values, list) or not all(isinstance(v, int) and not isinstance(v, bool) for v in values):
+            return f"step {u.get('step')}: '{field}' must be a list of integers, got {values!r}"
+    return None
+
+
+def check_exactly_once(updates: list[Update], batches: Iterable[int]) -> CheckResult:
+    """Every batch's gradient is applied exactly once: none twice (a gradient staged or committed
+    again), none lost (a forward never backwarded, a pipeline not drained), none from nowhere."""
+    if reason := _int_lists(updates, "batches_applied"):
+        return CheckResult(EXACTLY_ONCE, EXACTLY_ONCE, "error", f"malformed records: {reason}")
+    applied_at: dict[int, list[int]] = defaultdict(list)
+    for u in updates:
+        for batch in u["batches_applied"]:
+            applied_at[batch].append(u["step"])
+    expected = sorted(batches)
+    problems: list[Problem] = []
+    for batch in sorted(applied_at.keys() | set(expected)):
+        steps = applied_at.get(batch, [])
+        if batch not in expected:
+            problems.append((steps[0], f"batch {batch} applied at step {format_steps(steps)} but is not a batch of this run"))
+        elif not steps:
+            problems.append((None, f"batch {batch} never applied"))
+        elif len(steps) > 1:
+            problems.append((steps[1], f"batch {batch} applied {len(steps)} times, at steps {', '.join(map(str, steps))}"))
+    passed = f"{len(expected)} batches ({format_steps(expected)}) each applied exactly once over {len(updates)} updates"
+    return _result(EXACTLY_ONCE, problems, passed, kind=EXACTLY_ONCE)
+
+
+def _ages_seen(updates: list[Update]) -> dict[int, list[int]]:
+    seen: dict[int, list[int]] = defaultdict(list)
+    for u in updates:
+        for age in sorted(set(u["ages"])):
+            seen[age].append(u["step"])
+    return dict(sorted(seen.items()))
+
+
+def check_staleness_ages(updates: list[Update], delay: int) -> CheckResult:
+    """The i-th update (from 0) applies gradients of age min(i, delay), and only those.
+
+    The first ``delay`` forwards ran while the pipeline filled, before any update, so they are
+    younger; every later gradient is exactly ``delay`` updates old, the drained ones included.
+    """
+    if reason := _int_lists(updates, "ages"):
+        return CheckResult(STALENESS_AGES, STALENESS_AGES, "error", f"malformed records: {reason}")
+    ordered = sorted(updates, key=lambda u: u["step"])
+    problems: list[Problem] = []
+    for i, u in enumerate(ordered):
+        want = min(i, delay)
+        if not u["ages"] or any(age != want for age in u["ages"]):
+            fill = f" (update {i + 1} of the pipeline fill)" if i < delay else ""
+            problems.append((u["step"], f"step {u['step']}: ages {u['ages']}, expected {want}{fill} at delay {delay}"))
+    seen = _ages_seen(ordered)
+    shown = ", ".join(f"{age} at step{'s' if len(steps) > 1 else ''} {format_steps(steps)}" for age, steps in seen.items())
+    fill = f"; steps {format_steps([u['step'] for u in ordered[:delay]])} fill the pipeline" if delay else ""
+    passed = f"ages seen: {shown} (delay {delay}{fill})"
+    return _result(STALENESS_AGES, problems, passed, kind=STALENESS_AGES, extra={"ages_seen": seen})
+
+
+def _stat_problem(value: object, lo: float, hi: float) -> str | None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return f"is {value!r}, not a number"
+    if not math.isfinite(value):
+        return f"is non-finite ({value!r})"
+    if not lo <= value <= hi:
+        return f"{value!r} is outside [{lo:g}, {hi:g}]"
+    return None
+
+
+def check_correction_stats(updates: list[Update], correction: str, clip: float = CORRECTION_CLIP) -> CheckResult:
+    """Reports the importance correction's mean weight and clipped fraction per step.
+
+    Fails only on values no correct weighting can produce: non-finite, a mean weight outside
+    [0, clip], a clipped fraction outside [0, 1]. A step without statistics (null: no applied batch
+    had current logprobs, as under ``when_available`` for stale batches) is reported, not failed.
+    """
+    if correction == "off":
+        return CheckResult(CORRECTION_STATS, CORRECTION_STATS, "skip", "correction is off: no statistics to report")
+    ordered = sorted(updates, key=lambda u: u["step"])
+    per_step = [
+        {"step": u["step"], "mean": u.get("correction_mean"), "clipped_frac": u.get("correction_clipped_frac")} for u in ordered
+    ]
+    problems: list[Problem] = []
+    for row in per_step:
+        if row["mean"] is None and row["clipped_frac"] is None:
+            continue
+        for key, hi in (("mean", clip), ("clipped_frac", 1.0)):
+            if problem := _stat_problem(row[key], 0.0, hi):
+                problems.append((row["step"], f"step {row['step']}: correction {key.replace('_', ' ')} {problem}"))
+    if problems:
+        return _result(CORRECTION_STATS, problems, "", kind=CORRECTION_STATS, extra={"per_step": per_step})
+    reported = [row for row in per_step if row["mean"] is not None]
+    absent = [row["step"] for row in per_step if row["mean"] is None]
+    parts = []
+    if reported:
+        means = [row["mean"] for row in reported]
+        parts.append(
+            f"{correction}: mean weight {min(means):.4f} to {max(means):.4f} (average {math.fsum(means) / len(means):.4f}),"
+            f" clipped fraction at most {max(row['clipped_frac'] for row in reported):.3g},"
+            f" at steps {format_steps([row['step'] for row in reported])}"
+        )
+    if absent:
+        parts.append(f"no corrected tokens at steps {format_steps(absent)}")
+    return CheckResult(CORRECTION_STATS, CORRECTION_STATS, "pass", "; ".join(parts), extra={"per_step": per_step})

@@ -38,11 +38,19 @@ from harness.golden import (
     load_golden,
     write_golden,
 )
-from harness.invariants import check_same_event_sequence, check_token_exchange
+from harness.invariants import (
+    check_correction_stats,
+    check_exactly_once,
+    check_planned_exchanges,
+    check_same_event_sequence,
+    check_staleness_ages,
+    pipeline_plan,
+    training_plan,
+)
 from harness.launch import LaunchGroup, LaunchResult, launch_group, plan_launches
 from harness.records import RecordError, read_jsonl, read_metrics, write_json_atomic
 from harness.report import format_verdict_table, write_html, write_junit
-from harness.suites import CheckSpec, SuiteSpec
+from harness.suites import GRAPH_KIND, PIPELINE_KINDS, ArmSpec, CheckSpec, SuiteSpec
 
 EXIT_PASS, EXIT_FAIL, EXIT_USAGE, EXIT_INFRA = 0, 1, 2, 3
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -200,8 +208,10 @@ class Progress:
 @dataclass
 class ArmRecords:
     metrics: pd.DataFrame | None = None
+    updates: list[dict] = field(default_factory=list)  # metrics.jsonl as written: null and NaN kept apart
     events: dict[int, list[dict]] = field(default_factory=dict)
     moe_layers: list[int] = field(default_factory=list)
+    graph_checks: list[dict] = field(default_factory=list)  # static checks of a traced arm's graph
     error: str | None = None  # unreadable records
 
     def steps_done(self) -> int:
@@ -214,8 +224,11 @@ def read_arm(run_dir: Path, suite: SuiteSpec, arm: str) -> ArmRecords:
     try:
         if (arm_dir / "metrics.jsonl").is_file():
             records.metrics = read_metrics(arm_dir / "metrics.jsonl")
+            records.updates = read_jsonl(arm_dir / "metrics.jsonl")
         if (arm_dir / "arm.json").is_file():
-            records.moe_layers = json.loads((arm_dir / "arm.json").read_text())["moe_layers"]
+            arm_info = json.loads((arm_dir / "arm.json").read_text())
+            records.moe_layers = arm_info["moe_layers"]
+            records.graph_checks = arm_info.get("graph_checks", [])
         for logical_rank in range(suite.arms[arm].ep):
             path = arm_dir / f"events.rank{logical_rank}.jsonl"
             records.events[logical_rank] = read_jsonl(path) if path.is_file() else []
@@ -241,6 +254,37 @@ def _same_events(name: str, a: ArmRecords, b: ArmRecords, label_a: str, label_b:
     return CheckResult(name, "same-event-sequence", "pass", f"{total} events identical on all {len(results)} logical ranks")
 
 
+def exchange_plan(arm: ArmSpec, steps: list[int]) -> dict[tuple[int, str], int]:
+    """The exchanges an arm's events must show: per step of plain training, per tick of a pipeline."""
+    if not arm.versioned:
+        return training_plan(steps)
+    train = arm.train
+    replay, always = train["retention"] == "replay", train["correction"] == "always"
+    return pipeline_plan(len(steps), train["delay"], replay=replay, always_correct=always)
+
+
+def pipeline_check(kind: str, updates: list[dict], train: dict[str, Any], steps: int) -> CheckResult:
+    """One version-protocol check on a versioned arm's update records.
+
+    Batches are numbered like steps (see worker.updates): a run of N steps applies batches 1..N.
+    """
+    if kind == "exactly-once":
+        return check_exactly_once(updates, range(1, steps + 1))
+    if kind == "staleness-ages":
+        return check_staleness_ages(updates, train["delay"])
+    return check_correction_stats(updates, train["correction"])
+
+
+def graph_results(arm: str, graph_checks: list[dict]) -> list[CheckResult]:
+    """The static checks the rank recorded for a traced arm's graph; none recorded is a failure."""
+    if not graph_checks:
+        return [CheckResult(f"{arm}: {GRAPH_KIND}", GRAPH_KIND, "fail", "the arm recorded no static graph checks")]
+    return [
+        CheckResult(f"{arm}: {c['name']}", GRAPH_KIND, c["status"], c["detail"], extra={"problems": c["problems"]})
+        for c in graph_checks
+    ]
+
+
 def run_check(check: CheckSpec, suite: SuiteSpec, records: dict[str, ArmRecords]) -> list[CheckResult]:
     """The results of one [[checks]] entry; arms that did not finish make it a skip."""
     unfinished = [arm for arm in check.arms if records[arm].error or records[arm].steps_done() < suite.steps]
@@ -252,10 +296,19 @@ def run_check(check: CheckSpec, suite: SuiteSpec, records: dict[str, ArmRecords]
         for arm in check.arms:
             train = suite.arms[arm].train
             chunks = train["chunks"] if train["chunking"] != "none" else 1
-            steps = records[arm].metrics.index.tolist()
-            for r in check_token_exchange(records[arm].events, steps=steps, moe_layers=records[arm].moe_layers, chunks=chunks):
+            plan = exchange_plan(suite.arms[arm], records[arm].metrics.index.tolist())
+            for r in check_planned_exchanges(records[arm].events, plan=plan, moe_layers=records[arm].moe_layers, chunks=chunks):
                 results.append(dataclasses.replace(r, name=f"{arm}: {r.name}"))
         return results
+    if check.kind in PIPELINE_KINDS:
+        return [
+            dataclasses.replace(
+                pipeline_check(check.kind, records[arm].updates, suite.arms[arm].train, suite.steps), name=f"{arm}: {check.name}"
+            )
+            for arm in check.arms
+        ]
+    if check.kind == GRAPH_KIND:
+        return [result for arm in check.arms for result in graph_results(arm, records[arm].graph_checks)]
     a, b = check.arms
     if check.kind == "same-event-sequence":
         return [_same_events(check.name, records[a], records[b], a, b)]

@@ -8,6 +8,11 @@ one line naming where it came from and the dotted field, before anything is laun
 Process count and EP degree: ``ranks`` (suite level, ``--ranks``) is the default process
 count of every arm, and ``ep`` defaults to the suite's ``ranks``. So an arm that sets only
 ``ranks = 1`` hosts the whole EP group in one process (logical ranks), whatever ``--ranks``.
+
+Trainers: an arm that sets any field of the delayed pipeline (``delay``,
+``max_gradient_staleness``, ``retention``, ``correction``, ``apply_twice_batch``), in its own
+table or in ``[train]``, is a *versioned* arm: it resolves to a ``PipelineConfig`` and runs on
+``VersionedTrainer``; every other arm is a plain ``TrainConfig`` on ``Trainer``.
 """
 
 from __future__ import annotations
@@ -17,6 +22,8 @@ import json
 import math
 import re
 import tomllib
+import typing
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -24,21 +31,36 @@ from typing import Any
 from harness.compare import tier_from_spec
 from harness.records import METRIC_COLUMNS
 from harness.reference.model import CONFIGS
-from harness.reference.train import TrainConfig
+from harness.reference.pipeline import PipelineConfig
+from harness.reference.train import TRACED, TrainConfig
 
 SUITES_DIR = Path(__file__).resolve().parent.parent / "suites"
 MAX_RANKS = 8
 PAIR_KINDS = ("exact", "ulp", "close", "band")
-CHECK_KINDS = (*PAIR_KINDS, "token-exchange-invariants", "same-event-sequence", "determinism")
+# Checks of the version protocol, on one versioned arm's update records each.
+PIPELINE_KINDS = ("exactly-once", "staleness-ages", "correction-stats")
+# Static checks of a traced arm's FX graph (exchange counts, launch/wait pairs, buffer sets, order).
+GRAPH_KIND = "graph-invariants"
+CHECK_KINDS = (*PAIR_KINDS, "token-exchange-invariants", "same-event-sequence", "determinism", *PIPELINE_KINDS, GRAPH_KIND)
 FAIL_MODES = ("raise", "hang", "exit")
 DEFAULT_METRICS = ("loss", "grad_norm")
 DETERMINISM_METRICS = ("loss", "grad_norm", "tokens")
 
-# TrainConfig fields a suite may set in [train] or [arms.X]; the model comes from [model] and
-# the device from --device, so that one suite file runs on any machine.
+
+def _value_type(hint: Any) -> type:
+    """``int | None`` -> int: TOML has no null, so an optional field is either set or left out."""
+    return next((arg for arg in typing.get_args(hint) if arg is not type(None)), hint)
+
+
+# PipelineConfig fields (TrainConfig's and the pipeline's) a suite may set in [train] or [arms.X];
+# the model comes from [model] and the device from --device, so that one suite file runs anywhere.
 _TRAIN_FIELDS: dict[str, type] = {
-    f.name: type(f.default) for f in dataclasses.fields(TrainConfig) if f.name not in ("model", "device")
+    name: _value_type(hint) for name, hint in typing.get_type_hints(PipelineConfig).items() if name not in ("model", "device")
 }
+# Setting any of these makes an arm versioned.
+PIPELINE_FIELDS = tuple(
+    f.name for f in dataclasses.fields(PipelineConfig) if f.name not in {g.name for g in dataclasses.fields(TrainConfig)}
+)
 # Sizes and rates that must be positive; other numbers need only be non-negative ints or finite
 # floats, and the reference's TrainConfig validates its own domains after this.
 _POSITIVE = {"ep", "local_batch", "seq_len", "chunks", "num_buffer_sets", "lr", "max_norm"}
@@ -48,6 +70,16 @@ _TABLES = ("model", "train", "golden", "debug")
 
 class SuiteError(Exception):
     """A bad suite or override; the message is one line naming the file (or --set) and field."""
+
+
+def is_versioned(train: dict[str, Any]) -> bool:
+    """An arm that sets any pipeline field runs on VersionedTrainer; the rest on the plain Trainer."""
+    return any(key in train for key in PIPELINE_FIELDS)
+
+
+def train_config(train: dict[str, Any]) -> TrainConfig:
+    """An arm's fields as the reference's config: a PipelineConfig for a versioned arm."""
+    return PipelineConfig(**train) if is_versioned(train) else TrainConfig(**train)
 
 
 @dataclass(frozen=True)
@@ -61,6 +93,10 @@ class ArmSpec:
     @property
     def ep(self) -> int:
         return self.train["ep"]
+
+    @property
+    def versioned(self) -> bool:
+        return is_versioned(self.train)
 
     def non_defaults(self) -> dict[str, Any]:
         """The TrainConfig fields this arm sets away from the reference's defaults."""
@@ -316,7 +352,7 @@ class _Validator:
         arms_raw = raw["arms"]
         if not isinstance(arms_raw, dict) or not arms_raw:
             raise self.error("arms", f"expected at least one [arms.NAME] table, got {_show(arms_raw)}")
-        arms = {arm: self.arm(arm, table, base, model, ranks) for arm, table in arms_raw.items()}
+        arms = {arm: self.arm(arm, table, base, model, ranks, steps) for arm, table in arms_raw.items()}
         checks_raw = raw.get("checks", [])
         if not isinstance(checks_raw, list):
             raise self.error("checks", f"expected an array of [[checks]] tables, got {_show(checks_raw)}")
@@ -333,7 +369,7 @@ class _Validator:
         table = self.table(raw, dotted, allowed)
         return {k: self.train_value(v, f"{dotted}.{k}", k) for k, v in table.items() if k in _TRAIN_FIELDS}
 
-    def arm(self, name: str, raw: Any, base: dict[str, Any], model: str, suite_ranks: int) -> ArmSpec:
+    def arm(self, name: str, raw: Any, base: dict[str, Any], model: str, suite_ranks: int, steps: int) -> ArmSpec:
         dotted = f"arms.{name}"
         own = self.train_table(raw, dotted, allowed=("ranks", *_TRAIN_FIELDS))
         ranks = self.int_(raw["ranks"], f"{dotted}.ranks", 1, MAX_RANKS) if "ranks" in raw else suite_ranks
@@ -352,12 +388,27 @@ class _Validator:
         if merged["ep"] % ranks:
             raise self.error(ranks_field, f"{ranks} processes do not divide EP degree {merged['ep']} of arm {_show(name)}")
         try:
-            config = TrainConfig(**merged)
+            config = train_config(merged)
         except (TypeError, ValueError) as e:
             # The reference's own validation; its messages start with the field they reject.
             first_word = str(e).split()[0] if str(e) else ""
             raise self.error(source(first_word) if first_word in _TRAIN_FIELDS else dotted, str(e)) from None
+        if isinstance(config, PipelineConfig):
+            self.pipeline(config, source, steps)
         return ArmSpec(name, ranks, dataclasses.asdict(config))
+
+    def pipeline(self, config: PipelineConfig, source: Callable[[str], str], steps: int) -> None:
+        """What the reference accepts but can never run: it would only fail inside the ranks."""
+        if config.delay > config.max_gradient_staleness:
+            # The backward of every batch after the fill would be refused (CommitRefused): reject it here, exit 2.
+            raise self.error(
+                source("delay"), f"delay {config.delay} exceeds max_gradient_staleness {config.max_gradient_staleness}"
+            )
+        if config.apply_twice_batch is not None and not 1 <= config.apply_twice_batch <= steps:
+            # Batches are numbered like steps; a batch that never runs would plant no bug at all.
+            raise self.error(
+                source("apply_twice_batch"), f"expected a batch id in 1-{steps}, got {config.apply_twice_batch}"
+            )
 
     def arm_pair(self, raw: dict, dotted: str, arms: dict[str, ArmSpec]) -> tuple[str, str]:
         if "arms" not in raw:
@@ -381,6 +432,12 @@ class _Validator:
             self.table(raw, dotted, ("kind", "name", "arms"))
             chosen = self.str_list(raw["arms"], f"{dotted}.arms", list(arms)) if "arms" in raw else tuple(arms)
             return CheckSpec(kind, name or "token-exchange", chosen)
+        if kind in PIPELINE_KINDS:
+            self.table(raw, dotted, ("kind", "name", "arms"))
+            return CheckSpec(kind, name or kind, self.versioned_arms(raw, dotted, arms))
+        if kind == GRAPH_KIND:
+            self.table(raw, dotted, ("kind", "name", "arms"))
+            return CheckSpec(kind, name or kind, self.traced_arms(raw, dotted, arms))
         if kind == "same-event-sequence":
             self.table(raw, dotted, ("kind", "name", "arms"))
             a, b = self.arm_pair(raw, dotted, arms)
@@ -396,6 +453,31 @@ class _Validator:
         a, b = self.arm_pair(raw, dotted, arms)
         metrics = self.metric_list(raw, dotted, DEFAULT_METRICS)
         return CheckSpec(kind, name or f"{a} vs {b}", (a, b), metrics, self.tier(raw, dotted))
+
+    def traced_arms(self, raw: dict, dotted: str, arms: dict[str, ArmSpec]) -> tuple[str, ...]:
+        """The arms whose graphs a graph check reads: those listed, or every traced arm."""
+        traced = {arm for arm, spec in arms.items() if spec.train.get("chunking") in TRACED}
+        chosen = self.str_list(raw["arms"], f"{dotted}.arms", list(arms)) if "arms" in raw else tuple(a for a in arms if a in traced)
+        for i, arm in enumerate(chosen):
+            if arm not in traced:
+                raise self.error(f"{dotted}.arms.{i}", f"arm {_show(arm)} has no graph (chunking must be one of {', '.join(TRACED)})")
+        if not chosen:
+            raise self.error(dotted, f"needs a traced arm (chunking one of {', '.join(TRACED)}); the suite has none")
+        return chosen
+
+    def versioned_arms(self, raw: dict, dotted: str, arms: dict[str, ArmSpec]) -> tuple[str, ...]:
+        """The arms a version-protocol check reads: those listed, or every versioned arm."""
+        fields = ", ".join(PIPELINE_FIELDS)
+        if "arms" not in raw:
+            chosen = tuple(arm for arm, spec in arms.items() if spec.versioned)
+            if not chosen:
+                raise self.error(dotted, f"needs a versioned arm (one that sets {fields}); the suite has none")
+            return chosen
+        chosen = self.str_list(raw["arms"], f"{dotted}.arms", list(arms))
+        for i, arm in enumerate(chosen):
+            if not arms[arm].versioned:
+                raise self.error(f"{dotted}.arms.{i}", f"arm {_show(arm)} is not versioned (it sets none of {fields})")
+        return chosen
 
     def metric_list(self, raw: dict, dotted: str, default: tuple[str, ...]) -> tuple[str, ...]:
         return self.str_list(raw["metrics"], f"{dotted}.metrics", METRIC_COLUMNS) if "metrics" in raw else default

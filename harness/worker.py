@@ -4,6 +4,10 @@ Runs each arm of the group in turn, re-seeded identically, and streams what the 
 compares: ``arms/<arm>/metrics.jsonl`` (process rank 0) and
 ``arms/<arm>/events.rank<logical rank>.jsonl`` (the process hosting that logical rank). Every
 line is flushed, so a crash leaves every finished step on disk.
+
+A plain arm runs on ``Trainer``, a versioned arm (one that sets a pipeline field) on
+``VersionedTrainer``, whose metrics lines add the pipeline's columns (tick, revision, ages,
+batches_applied, correction statistics, forwards, recomputes).
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ import signal
 import sys
 import threading
 import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -27,7 +32,9 @@ import torch.distributed as dist
 from torch.distributed.elastic.multiprocessing.errors import record
 
 from harness.records import JsonlWriter, write_json_atomic
-from harness.reference.train import TrainConfig, Trainer
+from harness.reference.pipeline import PipelineConfig, VersionedTrainer
+from harness.reference.train import Trainer
+from harness.suites import train_config
 
 _PR_SET_PDEATHSIG = 1
 # The harness process (the elastic agent) exports its pid, so a rank can tell it was orphaned.
@@ -71,11 +78,32 @@ def _inject_fault(debug: dict[str, Any], arm: str, step: int, rank: int) -> None
         time.sleep(1)
 
 
+def updates(trainer: Trainer, steps: int, before_step: Callable[[int], None]) -> Iterator[dict]:
+    """One record per optimizer update, numbered 1..steps, whichever the trainer.
+
+    Batches are numbered like steps, for a versioned trainer too (its own ``run`` counts from 0):
+    at delay 0 it then trains on the data a plain Trainer sees at the same step, so the two
+    compare exactly. Its updates, counted from 0, become steps from 1; update k applies batch k.
+    """
+    versioned = isinstance(trainer, VersionedTrainer)
+
+    def ticks() -> Iterator[dict | None]:
+        for step in range(1, steps + 1):
+            before_step(step)
+            yield trainer.step(step)  # None while a versioned pipeline fills
+        if versioned:
+            yield from trainer.drain()
+
+    for result in ticks():
+        if result is not None:
+            yield {**result, "step": result["step"] + 1} if versioned else result
+
+
 def run_arm(run_dir: Path, arm: str, train: dict[str, Any], steps: int, debug: dict[str, Any]) -> None:
-    """Builds the arm's Trainer from a fresh seed and runs its steps, streaming records."""
+    """Builds the arm's trainer from a fresh seed and runs its steps, streaming records."""
     rank = dist.get_rank()
     arm_dir = run_dir / "arms" / arm
-    config = TrainConfig(**train)
+    config = train_config(train)
     random.seed(config.seed)
     torch.manual_seed(config.seed)
     with contextlib.ExitStack() as stack:
@@ -90,17 +118,18 @@ def run_arm(run_dir: Path, arm: str, train: dict[str, Any], steps: int, debug: d
                     writers[logical_rank] = stack.enter_context(JsonlWriter(path))
             writers[logical_rank].write(event)
 
-        trainer = Trainer(config, event_sink=sink)
+        trainer = (VersionedTrainer if isinstance(config, PipelineConfig) else Trainer)(config, event_sink=sink)
         stack.callback(trainer.close)
         metrics = stack.enter_context(JsonlWriter(arm_dir / "metrics.jsonl")) if rank == 0 else None
         if rank == 0:
-            write_json_atomic(arm_dir / "arm.json", {"moe_layers": list(trainer.moe_layers), "train": train})
-        for step in range(1, steps + 1):
-            _inject_fault(debug, arm, step, rank)
-            result = trainer.step(step)
+            write_json_atomic(
+                arm_dir / "arm.json",
+                {"moe_layers": list(trainer.moe_layers), "train": train, "graph_checks": trainer.graph_checks},
+            )
+        for result in updates(trainer, steps, lambda step: _inject_fault(debug, arm, step, rank)):
             if metrics is not None:
                 metrics.write(result)
-            print(f"[arm {arm}] step {step}/{steps} loss={result['loss']!r} grad_norm={result['grad_norm']!r}", flush=True)
+            print(f"[arm {arm}] step {result['step']}/{steps} loss={result['loss']!r} grad_norm={result['grad_norm']!r}", flush=True)
 
 
 @record
