@@ -91,9 +91,13 @@ def versions() -> dict[str, str]:
 
 
 def device_class(device: str) -> str:
-    """"cpu", or "cuda-<gpu model>" such as "cuda-h200": numerics differ between GPU models."""
+    """"cpu-<ISA>" such as "cpu-avx512", or "cuda-<gpu model>" such as "cuda-h200".
+
+    Numerics differ between GPU models, and on CPUs between the vector ISAs that torch's
+    kernels dispatch to; a golden recorded on one is not owed by the other.
+    """
     if device != "cuda":
-        return "cpu"
+        return "cpu-" + torch.backends.cpu.get_cpu_capability().lower()
     return "cuda-" + torch.cuda.get_device_name(0).lower().removeprefix("nvidia ").split()[0]
 
 
