@@ -9,9 +9,10 @@ import pytest
 import torch
 
 from harness.golden import PROVENANCE_KEYS, env_key
+from harness.run import device_class
 from harness.records import read_jsonl
 
-CPU_KEY = env_key("cpu", "gloo", "float32", torch.__version__)
+CPU_KEY = env_key(device_class("cpu"), "gloo", "float32", torch.__version__)
 HANG_TIMEOUT_S = 25
 
 
