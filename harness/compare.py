@@ -164,6 +164,10 @@ class Band(_Tier):
     def describe(self) -> str:
         return f"within band max_rel={self.max_rel:g} final_rel={self.final_rel:g} min_corr={self.min_corr:g}"
 
+    # Below this many steps a correlation says nothing (3 points of a flat loss can give -0.85),
+    # so it is reported but not judged; the per-step and final bounds still are.
+    MIN_STEPS_FOR_CORR: ClassVar[int] = 10
+
     def step_ok(self, a: np.ndarray, b: np.ndarray) -> np.ndarray:
         return rel_diff(a, b) <= self.max_rel
 
@@ -177,7 +181,7 @@ class Band(_Tier):
             problems.append(f"{over.size} steps over max_rel {self.max_rel:g} (budget {budget})")
         if final_rel > self.final_rel:
             problems.append(f"final rel {final_rel:.3g} > {self.final_rel:g}")
-        if not corr >= self.min_corr:
+        if a.size >= self.MIN_STEPS_FOR_CORR and not corr >= self.min_corr:
             shown = "undefined (a constant trajectory)" if math.isnan(corr) else f"{corr:.6f}"
             problems.append(f"correlation {shown} < {self.min_corr:g}")
         first = None
@@ -188,7 +192,8 @@ class Band(_Tier):
         extra = {"steps_over_max_rel": int(over.size), "budget": budget, "final_rel": final_rel, "corr": corr}
         if problems:
             return _Judgement(True, first, "; ".join(problems), extra)
-        stats = f"{over.size} steps over max_rel (budget {budget}), final rel {final_rel:.3g}, corr {corr:.6f}"
+        judged = "" if a.size >= self.MIN_STEPS_FOR_CORR else f" (not judged under {self.MIN_STEPS_FOR_CORR} steps)"
+        stats = f"{over.size} steps over max_rel (budget {budget}), final rel {final_rel:.3g}, corr {corr:.6f}{judged}"
         return _Judgement(False, None, stats, extra)
 
 

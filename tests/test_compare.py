@@ -122,8 +122,17 @@ def test_band_catches_uncorrelated_trajectory():
 
 
 def test_band_constant_trajectory_has_undefined_correlation():
-    r = compare_series("x", series([1.0] * 5), series([1.0, 1.0, 1.0, 1.0, 1.01]), Band(0.05, 0.05, 0.5))
+    r = compare_series("x", series([1.0] * 12), series([1.0] * 11 + [1.01]), Band(0.05, 0.05, 0.5))
     assert r.status == "fail" and "undefined" in r.detail
+
+
+def test_band_reports_but_does_not_judge_correlation_of_a_few_steps():
+    ref = [2.0, 1.99, 2.0, 1.99, 2.0]
+    run = [1.99, 2.0, 1.99, 2.0, 2.0]  # anti-correlated noise, well inside the band
+    r = compare_series("loss", series(run), series(ref), Band(0.05, 0.05, 0.9))
+    assert r.status == "pass" and r.extra["corr"] < 0 and "not judged under 10 steps" in r.detail
+    longer = compare_series("loss", series(run * 2), series(ref * 2), Band(0.05, 0.05, 0.9))
+    assert longer.status == "fail" and "correlation" in longer.detail
 
 
 def test_arm_cut_short_fails_naming_arm_and_step():
