@@ -114,3 +114,15 @@ def test_schedule_overlaps_next_launch_and_respects_buffer_reuse() -> None:
         assert position[(chunk - 2, 4)] < position[(chunk, 1)]
     assert sorted(order) == [(c, i) for c in range(4) for i in range(len(kinds))]
     assert [c for c, i in EPScheduler(2).order([kinds] * 2, backward=True) if i == 1] == [1, 0]
+
+
+def test_bfloat16_training_tracks_float32() -> None:
+    def first_losses(dtype: str) -> list[float]:
+        trainer = Trainer(TrainConfig(ep=2, chunking="eager", dtype=dtype))
+        out = [trainer.step(s)["loss"] for s in range(2)]
+        trainer.close()
+        return out
+
+    bf16, fp32 = first_losses("bfloat16"), first_losses("float32")
+    assert bf16 != fp32  # really computed in bf16
+    assert all(abs(a - b) / b < 2e-2 for a, b in zip(bf16, fp32))

@@ -368,8 +368,8 @@ class DeepseekV3Model(nn.Module):
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        rope = rope_cos_sin(self.cfg, input_ids.shape[1], input_ids.device)
         h = self.embed_tokens(input_ids)
+        rope = tuple(t.to(h.dtype) for t in rope_cos_sin(self.cfg, input_ids.shape[1], input_ids.device))
         for layer in self.layers:
             layer.rope = rope
             h = layer(h)
