@@ -156,3 +156,12 @@ def test_progress_follows_metrics_as_they_are_written(tmp_path: Path, tty: bool)
         assert text == "\r\x1b[K[arm a] step 1/2 loss=1.5 grad_norm=0.5\r\x1b[K[arm a] step 2/2 loss=1.25 grad_norm=0.25\n"
     else:
         assert text.splitlines() == ["[arm a] step 1/2 loss=1.5 grad_norm=0.5", "[arm a] step 2/2 loss=1.25 grad_norm=0.25"]
+
+
+def test_a_traced_arm_without_recorded_graph_checks_fails() -> None:
+    from harness.run import graph_results
+
+    [missing] = graph_results("graph", [])
+    assert missing.status == "fail" and "no static graph checks" in missing.detail
+    recorded = graph_results("graph", [{"name": "graph:chunk-order", "status": "fail", "detail": "d", "problems": ["p"]}])
+    assert [(r.name, r.status) for r in recorded] == [("graph: graph:chunk-order", "fail")]

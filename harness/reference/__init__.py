@@ -12,4 +12,7 @@ one small seam, defined in :mod:`harness.reference.train`:
 * ``Trainer.graph_checks``: for the traced chunkings, the static checks of the graph (one dict
   each: ``name``, ``status`` pass|fail|skip, ``detail``, ``problems``); empty otherwise.
 * ``event_sink(logical_rank, event)``: called for every token-exchange launch and wait.
+* ``pipeline.PipelineConfig`` / ``pipeline.VersionedTrainer``: the same seam for the delayed,
+  versioned pipeline (``step(batch)`` per tick, ``drain()`` at the end; records add ages,
+  applied batches and correction statistics).
 """
