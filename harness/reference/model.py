@@ -46,8 +46,6 @@ class DeepseekV3Config:
     first_k_dense_replace: int = 1
     norm_topk_prob: bool = True
     scoring_func: str = "sigmoid"
-    hidden_act: str = "silu"
-    max_position_embeddings: int = 2048
     initializer_range: float = 0.02
     rms_norm_eps: float = 1e-6
     rope_theta: float = 10000.0

@@ -196,9 +196,6 @@ class Trainer:
         """Static checks of the traced graph (empty for eager arms): name, status, detail, problems."""
         return [asdict(check) for check in self.graph_step.checks] if self.graph_step else []
 
-    def describe(self) -> dict:
-        return {**asdict(self.config), "logical_ranks": self.logical_ranks, "moe_layers": self.moe_layers}
-
     def step(self, step: int) -> dict:
         start = time.perf_counter()
         results = self._on_every_rank(lambda rank: self._rank_step(rank, step))
