@@ -1,26 +1,25 @@
 """The ``harness`` command: list, run, golden update, report, doctor.
 
-Exit codes (run and golden update): 0 pass, 1 a check failed, 2 bad usage, suite or input,
-3 infrastructure (a rank crashed or hung, a timeout, a launch failure).
+Exit codes (run and golden update): 0 pass, 1 a check failed (a regression), 2 bad usage, suite
+or input, 3 infrastructure (a rank killed or hung, a timeout, a launch failure, an internal
+error), 128 + N cancelled by signal N. Every error is one line on the console; a traceback goes
+to the run's logs/harness.log, or to a file the line names when no run directory exists yet.
 """
 
 from __future__ import annotations
 
 import argparse
+import math
+import signal
 import sys
+import tempfile
+import traceback
 from pathlib import Path
 
-from harness.run import (
-    EXIT_PASS,
-    EXIT_USAGE,
-    GOLDEN_DIR,
-    GOLDEN_MODES,
-    RunOptions,
-    UsageError,
-    describe_environment,
-    rerender,
-    run_suite,
-)
+from harness.cancel import Cancelled
+from harness.environment import CPU_ISAS, describe_environment
+from harness.golden import GOLDEN_MODES, GoldenError
+from harness.run import EXIT_INFRA, EXIT_PASS, EXIT_USAGE, GOLDEN_DIR, RunOptions, UsageError, rerender, run_suite
 from harness.suites import SuiteError, list_suites, load_suite
 
 
@@ -33,6 +32,10 @@ def _add_run_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", type=Path, metavar="DIR", help="run directory (default reports/<suite>/<UTC timestamp>)")
     parser.add_argument("--timeout", type=float, default=600.0, metavar="S", help="wall-clock limit for all launches (default 600)")
     parser.add_argument("--golden-dir", type=Path, default=GOLDEN_DIR, metavar="DIR", help="golden root (default: the repository's golden/)")
+    parser.add_argument(
+        "--cpu-isa", choices=CPU_ISAS, default="avx2",
+        help="CPU kernels: avx2 (default) pins them so goldens check bitwise on any x86-64 with AVX2; native: full speed",
+    )  # fmt: skip
     parser.add_argument(
         "--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
         help="override a suite field, e.g. steps=5, arms.eager.lr=0.01, train.seed=1, chunks=4 (all arms)",
@@ -51,7 +54,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add_run_arguments(golden_commands.add_parser("update", help="run a suite and record its golden for this environment"))
     report = commands.add_parser("report", help="re-render report.html and junit.xml of a run directory")
     report.add_argument("run_dir", type=Path, metavar="RUN_DIR")
-    commands.add_parser("doctor", help="print versions, devices and distributed backends")
+    doctor = commands.add_parser("doctor", help="print versions, devices, backends, the env key runs use and its goldens")
+    doctor.add_argument("--golden-dir", type=Path, default=GOLDEN_DIR, metavar="DIR", help="golden root (default: the repository's golden/)")
     return parser
 
 
@@ -62,38 +66,59 @@ def _overrides(args: argparse.Namespace) -> list[tuple[str, str]]:
 
 def _run(args: argparse.Namespace, argv: list[str], golden: str) -> int:
     suite = load_suite(args.suite, _overrides(args), device=args.device)
-    if not args.timeout > 0:  # also rejects nan
-        raise UsageError(f"--timeout: expected seconds > 0, got {args.timeout:g}")
+    if not (args.timeout > 0 and math.isfinite(args.timeout)):  # also rejects nan
+        raise UsageError(f"--timeout: expected a finite number of seconds > 0, got {args.timeout:g}")
     options = RunOptions(
         device=args.device,
         out=args.out,
         timeout_s=args.timeout,
         golden=golden,
         golden_dir=args.golden_dir,
+        cpu_isa=args.cpu_isa,
         command=("harness", *argv),
     )
     return run_suite(suite, options)
+
+
+def _crash_log() -> Path:
+    """Where a traceback goes when no run directory exists to hold it."""
+    with tempfile.NamedTemporaryFile("w", prefix="harness-", suffix=".log", delete=False) as f:
+        traceback.print_exc(file=f)
+    return Path(f.name)
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     args = build_parser().parse_args(argv)
     try:
-        if args.command == "list":
-            suites = list_suites()
-            width = max((len(name) for name, _ in suites), default=0)
-            for name, description in suites:
-                print(f"{name:<{width}}  {description}")
-            return EXIT_PASS
-        if args.command == "run":
-            return _run(args, argv, args.golden)
-        if args.command == "golden":
-            return _run(args, argv, "update")
-        if args.command == "report":
-            return rerender(args.run_dir)
-        for key, value in describe_environment().items():
-            print(f"{key:<14} {value}")
-        return EXIT_PASS
-    except (SuiteError, UsageError) as e:
+        return _command(args, argv)
+    except (SuiteError, UsageError, GoldenError) as e:
         print(f"error: {e}", file=sys.stderr)
         return EXIT_USAGE
+    except Cancelled as e:
+        print(f"harness: {e}", file=sys.stderr)
+        return e.exit_code
+    except KeyboardInterrupt:
+        print("harness: cancelled by SIGINT", file=sys.stderr)
+        return 128 + signal.SIGINT
+    except Exception as e:
+        print(f"error: internal error: {type(e).__name__}: {e} (traceback: {_crash_log()})", file=sys.stderr)
+        return EXIT_INFRA
+
+
+def _command(args: argparse.Namespace, argv: list[str]) -> int:
+    if args.command == "list":
+        suites = list_suites()
+        width = max((len(name) for name, _ in suites), default=0)
+        for name, description in suites:
+            print(f"{name:<{width}}  {description}")
+        return EXIT_PASS
+    if args.command == "run":
+        return _run(args, argv, args.golden)
+    if args.command == "golden":
+        return _run(args, argv, "update")
+    if args.command == "report":
+        return rerender(args.run_dir)
+    for key, value in describe_environment(args.golden_dir).items():
+        print(f"{key:<14} {value}")
+    return EXIT_PASS

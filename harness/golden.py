@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 import math
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -21,9 +21,11 @@ import pandas as pd
 from harness.compare import CheckResult, Exact, Tier, compare_arms, compare_series, format_steps, tier_from_spec
 from harness.records import write_json_atomic
 
-SCHEMA = 1
+# 2: the configuration a golden was recorded for (steps, arms) is part of the file, so a run of
+# another configuration is refused or reported by name, never silently compared.
+SCHEMA = 2
 PROVENANCE_KEYS = ("torch", "device", "backend", "dtype", "harness", "git_sha", "date")
-_TOP_KEYS = {"schema", "suite", "env_key", "provenance", "tier", "arms"}
+_TOP_KEYS = {"schema", "suite", "env_key", "provenance", "config", "tier", "arms"}
 _TRAJECTORY_KEYS = {"start_step", "end_step", "values"}
 
 
@@ -42,8 +44,13 @@ class Golden:
     suite: str
     env_key: str
     provenance: dict[str, str]
+    config: dict  # {"steps": N, "arms": {arm: {"ranks": P, "config": non-default fields}}}
     tier: dict
     arms: dict[str, dict[str, pd.Series]]
+
+    @property
+    def steps(self) -> int:
+        return self.config["steps"]
 
     def to_dict(self) -> dict:
         arms = {arm: {m: _trajectory(s) for m, s in metrics.items()} for arm, metrics in self.arms.items()}
@@ -52,6 +59,7 @@ class Golden:
             "suite": self.suite,
             "env_key": self.env_key,
             "provenance": dict(self.provenance),
+            "config": self.config,
             "tier": dict(self.tier),
             "arms": arms,
         }
@@ -122,7 +130,8 @@ def _parse(obj: Any, source: Any) -> Golden:
     if unknown:
         raise GoldenError(source, unknown[0], "unknown field")
     if obj.get("schema") != SCHEMA:
-        raise GoldenError(source, "schema", f"expected {SCHEMA}, got {obj.get('schema')!r}")
+        hint = " (recorded by an older harness: record it again with harness golden update)"
+        raise GoldenError(source, "schema", f"expected {SCHEMA}, got {obj.get('schema')!r}{hint}")
     for key in ("suite", "env_key"):
         if not isinstance(obj.get(key), str) or not obj[key]:
             raise GoldenError(source, key, f"expected a non-empty string, got {obj.get(key)!r}")
@@ -132,6 +141,11 @@ def _parse(obj: Any, source: Any) -> Golden:
     for key in PROVENANCE_KEYS:
         if not isinstance(provenance.get(key), str):
             raise GoldenError(source, f"provenance.{key}", f"expected a string, got {provenance.get(key)!r}")
+    config = obj.get("config")
+    if not isinstance(config, dict) or set(config) != {"steps", "arms"} or not isinstance(config["arms"], dict):
+        raise GoldenError(source, "config", "expected an object with steps and arms")
+    if isinstance(config["steps"], bool) or not isinstance(config["steps"], int) or config["steps"] < 1:
+        raise GoldenError(source, "config.steps", f"expected an integer >= 1, got {config['steps']!r}")
     if not isinstance(obj.get("tier"), dict):
         raise GoldenError(source, "tier", "expected an object such as {\"kind\": \"exact\"}")
     try:
@@ -146,7 +160,7 @@ def _parse(obj: Any, source: Any) -> Golden:
         if not isinstance(metrics, dict) or not metrics:
             raise GoldenError(source, f"arms.{arm}", "expected a non-empty mapping of metric -> trajectory")
         parsed[arm] = {m: _parse_trajectory(source, f"arms.{arm}.{m}", t) for m, t in metrics.items()}
-    return Golden(obj["suite"], obj["env_key"], dict(provenance), tier, parsed)
+    return Golden(obj["suite"], obj["env_key"], dict(provenance), config, tier, parsed)
 
 
 def load_golden(path: Path) -> Golden:
@@ -168,6 +182,7 @@ def golden_from_metrics(
     suite: str,
     env_key: str,
     provenance: dict[str, str],
+    config: dict,
     tier_spec: dict,
     metrics: dict[str, pd.DataFrame],
     metrics_names: tuple[str, ...] = ("loss", "grad_norm"),
@@ -187,6 +202,7 @@ def golden_from_metrics(
         "suite": suite,
         "env_key": env_key,
         "provenance": dict(provenance),
+        "config": config,
         "tier": tier_from_spec(tier_spec).spec(),
         "arms": arms,
     }
@@ -202,7 +218,7 @@ def write_golden(path: Path, golden: Golden) -> None:
 
 
 def compare_to_golden(golden: Golden, metrics: dict[str, pd.DataFrame], tier: Tier) -> list[CheckResult]:
-    """One check per (arm, metric) in the golden, named "golden:<arm>:<metric>"; run arms with no golden are skipped."""
+    """One check per (arm, metric) in the golden, named "golden:<arm>:<metric>"; an arm either lacks fails."""
     results = []
     for arm, trajectories in golden.arms.items():
         for metric, expected in trajectories.items():
@@ -212,7 +228,7 @@ def compare_to_golden(golden: Golden, metrics: dict[str, pd.DataFrame], tier: Ti
                 continue
             results.append(compare_arms(name, metrics[arm], expected.to_frame(metric), metric, tier, arm, "golden"))
     for arm in sorted(metrics.keys() - golden.arms.keys()):
-        results.append(CheckResult(f"golden:{arm}", tier.kind, "skip", f"no golden for arm '{arm}' in {golden.env_key}"))
+        results.append(CheckResult(f"golden:{arm}", tier.kind, "fail", f"no golden for arm '{arm}' in {golden.env_key}"))
     return results
 
 
@@ -225,6 +241,7 @@ def diff_summary(old: Golden | None, new: Golden) -> str:
     lines = [f"golden {new.suite}/{new.env_key}: {'new file' if old is None else 'update'}"]
     old_arms = old.arms if old is not None else {}
     if old is not None:
+        lines += [f"  config: {change}" for change in config_differences(old.config, new.config)]
         for key in sorted(old.provenance.keys() | new.provenance.keys()):
             before, after = old.provenance.get(key), new.provenance.get(key)
             if before != after:
@@ -247,3 +264,128 @@ def diff_summary(old: Golden | None, new: Golden) -> str:
             if metric not in new.arms.get(arm, {}):
                 lines.append(f"  {arm}/{metric}: removed")
     return "\n".join(lines)
+
+
+# --- which golden a run compares with --------------------------------------------------------
+
+GOLDEN_MODES = ("auto", "check", "update", "off")
+_MISSING = object()
+
+
+def config_differences(golden: dict, run: dict) -> list[str]:
+    """Every field where two golden configs differ, dotted: "arms.graph.config.chunks: golden 2, this run 4"."""
+
+    def flat(obj: Any, prefix: str) -> dict[str, Any]:
+        if isinstance(obj, dict) and obj:
+            return {k: v for key, value in obj.items() for k, v in flat(value, f"{prefix}.{key}" if prefix else key).items()}
+        return {prefix: obj}
+
+    def show(value: Any) -> str:
+        return "unset" if value is _MISSING else json.dumps(value)
+
+    # Through JSON, so that a tuple in the run and a list in the file compare equal.
+    mine, theirs = flat(json.loads(json.dumps(golden)), ""), flat(json.loads(json.dumps(run)), "")
+    return [
+        f"{key}: golden {show(mine.get(key, _MISSING))}, this run {show(theirs.get(key, _MISSING))}"
+        for key in sorted(mine.keys() | theirs.keys())
+        if mine.get(key, _MISSING) != theirs.get(key, _MISSING)
+    ]
+
+
+def _key_parts(key: str) -> tuple[str, str, str, str]:
+    """(device class, backend, dtype, torch) of "<device class>-<backend>-<dtype>-torch<major.minor>"."""
+    device, backend, dtype, torch_version = key.rsplit("-", 3)
+    return device, backend, dtype, torch_version
+
+
+def comparable_goldens(suite_dir: Path, key: str) -> list[Path]:
+    """Goldens of other environments a run keyed ``key`` may compare with at the cross-environment
+    tier: same device family (cpu, cuda), backend and dtype. Best first: same torch, then pinned."""
+    device, backend, dtype, torch_version = _key_parts(key)
+    found = []
+    for path in sorted(suite_dir.glob("*.json")):
+        try:
+            other = _key_parts(path.stem)
+        except ValueError:
+            continue
+        if path.stem != key and (other[0].split("-")[0], *other[1:3]) == (device.split("-")[0], backend, dtype):
+            found.append(path)
+    return sorted(found, key=lambda p: (_key_parts(p.stem)[3] != torch_version, "-pinned-" not in p.stem + "-", p.stem))
+
+
+@dataclass
+class GoldenPlan:
+    """What a run does with goldens, decided before launching so a bad golden costs no run (exit 2)."""
+
+    mode: str  # check | update | off
+    path: Path  # this environment's golden: what update writes
+    golden: Golden | None = None  # what check compares with, or what update replaces
+    tier: dict | None = None  # check's tier: the golden's own, or the cross-environment tier
+    note: str | None = None  # one console line: what is compared and how, or why nothing is
+
+    @property
+    def cross_env(self) -> bool:
+        return self.golden is not None and self.golden.env_key != self.path.stem
+
+
+def plan_golden(
+    suite: str, config: dict, key: str, requested: str, golden_dir: Path, cross_env_tier: dict
+) -> GoldenPlan:
+    """Resolves ``--golden`` for a suite whose configuration is ``config`` (see golden_config).
+
+    auto and check compare with this env key's golden, else with a comparable golden of another
+    environment at ``cross_env_tier``. Where none applies, check is an error and auto says so in
+    its note. A golden of another configuration is an error under check and reported under auto;
+    a run shorter than its golden compares its first steps, a longer one is another configuration.
+    """
+    path = golden_dir / suite / f"{key}.json"
+    if requested == "off":
+        return GoldenPlan("off", path, note="golden: not compared (--golden off)")
+    if requested == "update":
+        try:
+            existing = _load_for(path, suite) if path.is_file() else None
+        except GoldenError as e:
+            return GoldenPlan("update", path, note=f"replacing an unreadable golden: {e}")
+        return GoldenPlan("update", path, existing)
+    source = path if path.is_file() else next(iter(comparable_goldens(golden_dir / suite, key)), None)
+    if source is None:
+        recorded = sorted(p.stem for p in (golden_dir / suite).glob("*.json"))
+        shown = f"recorded: {', '.join(recorded)}; none comparable" if recorded else "none recorded for this suite"
+        reason = f"no golden for env key {key} in {golden_dir / suite} ({shown})"
+        if requested == "check":
+            raise GoldenError(path, None, f"--golden check: {reason}; record one with: harness golden update {suite}")
+        return GoldenPlan("off", path, note=f"golden: not compared: {reason}")
+    golden = _load_for(source, suite)
+    differences = config_differences({**golden.config, "steps": None}, {**config, "steps": None})
+    if config["steps"] > golden.steps:
+        differences.append(f"steps: golden {golden.steps}, this run {config['steps']} (longer than its golden)")
+    if differences:
+        if requested == "check":
+            raise GoldenError(source, "config", f"recorded for another configuration: {'; '.join(differences)}")
+        return GoldenPlan("off", path, note=f"golden: not compared: {source} is for another configuration: {'; '.join(differences)}")
+    tier = golden.tier if source == path else tier_from_spec(cross_env_tier).spec()
+    how = tier_from_spec(tier).describe()
+    where = f"{source}" if source == path else f"{source} (cross-environment: no golden for {key})"
+    prefix = f", its first {config['steps']} of {golden.steps} steps" if config["steps"] < golden.steps else ""
+    return GoldenPlan("check", path, golden, tier, f"golden: {where}{prefix}, {how}")
+
+
+def _load_for(path: Path, suite: str) -> Golden:
+    golden = load_golden(path)
+    if golden.suite != suite:
+        raise GoldenError(path, "suite", f"golden is for suite {golden.suite!r}, not {suite!r}")
+    return golden
+
+
+def golden_checks(plan: GoldenPlan, metrics: dict[str, pd.DataFrame], steps: int) -> list[CheckResult]:
+    """Compares the run with the planned golden on the run's steps; a cross-environment comparison
+    says which golden and tier in every detail."""
+    golden = plan.golden
+    trimmed = Golden(
+        golden.suite, golden.env_key, golden.provenance, golden.config, golden.tier,
+        {arm: {m: s[s.index <= steps] for m, s in ms.items()} for arm, ms in golden.arms.items()},
+    )  # fmt: skip
+    results = compare_to_golden(trimmed, metrics, tier_from_spec(plan.tier))
+    if not plan.cross_env:
+        return results
+    return [replace(r, detail=f"cross-environment vs {golden.env_key}: {r.detail}") for r in results]

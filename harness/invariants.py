@@ -280,8 +280,8 @@ def check_planned_exchanges(
 ) -> list[CheckResult]:
     """Runs the four single-arm invariants on every rank's events; one merged result per invariant.
 
-    A rank with no events fails every invariant when there are MoE layers: an empty log must
-    never pass for a run that should have exchanged tokens.
+    A rank with no events fails every invariant, and so do no MoE layers: an empty log must never
+    pass for a run that should have exchanged tokens.
     """
     checks: list[tuple[str, Callable[[list[Event]], CheckResult]]] = [
         (PAIRING, check_launch_wait_pairing),
@@ -294,7 +294,9 @@ def check_planned_exchanges(
         per_rank = {}
         for rank in sorted(events_by_rank):
             events = events_by_rank[rank]
-            if not events and moe_layers:
+            if not moe_layers:
+                per_rank[rank] = CheckResult(name, KIND, "fail", "no MoE layers: no exchange to check")
+            elif not events:
                 per_rank[rank] = CheckResult(name, KIND, "fail", "no token-exchange events recorded")
             else:
                 per_rank[rank] = check(events)
@@ -385,15 +387,20 @@ def _stat_problem(value: object, lo: float, hi: float) -> str | None:
     return None
 
 
-def check_correction_stats(updates: list[Update], correction: str, clip: float = CORRECTION_CLIP) -> CheckResult:
+def check_correction_stats(
+    updates: list[Update], correction: str, delay: int, clip: float = CORRECTION_CLIP
+) -> CheckResult:
     """Reports the importance correction's mean weight and clipped fraction per step.
 
-    Fails only on values no correct weighting can produce: non-finite, a mean weight outside
-    [0, clip], a clipped fraction outside [0, 1]. A step without statistics (null: no applied batch
-    had current logprobs, as under ``when_available`` for stale batches) is reported, not failed.
+    Fails on values no correct weighting can produce (non-finite, a mean weight outside
+    [0, clip], a clipped fraction outside [0, 1]) and on a correction that did nothing:
+    ``always`` must report statistics at every step and, with a delay, weights that differ from 1
+    on the stale updates (a weight stuck at exactly 1 is a correction never applied);
+    ``when_available`` must report them at least once. A step without statistics under
+    ``when_available`` (no applied batch had current logprobs) is reported, not failed.
     """
     if correction == "off":
-        return CheckResult(CORRECTION_STATS, CORRECTION_STATS, "skip", "correction is off: no statistics to report")
+        raise ValueError("check_correction_stats: correction is off, there is nothing to check")
     ordered = sorted(updates, key=lambda u: u["step"])
     per_step = [
         {"step": u["step"], "mean": u.get("correction_mean"), "clipped_frac": u.get("correction_clipped_frac")} for u in ordered
@@ -401,22 +408,31 @@ def check_correction_stats(updates: list[Update], correction: str, clip: float =
     problems: list[Problem] = []
     for row in per_step:
         if row["mean"] is None and row["clipped_frac"] is None:
+            if correction == "always":
+                problems.append((row["step"], f"step {row['step']}: no correction statistics under correction = \"always\""))
             continue
         for key, hi in (("mean", clip), ("clipped_frac", 1.0)):
             if problem := _stat_problem(row[key], 0.0, hi):
                 problems.append((row["step"], f"step {row['step']}: correction {key.replace('_', ' ')} {problem}"))
+    reported = [row for row in per_step if row["mean"] is not None]
+    if not reported and not problems:
+        problems.append((None, f"no step of {len(per_step)} reported correction statistics under {correction}"))
+    if correction == "always" and delay > 0 and not problems:
+        stale = [row for row, u in zip(per_step, ordered) if any(age > 0 for age in u.get("ages") or [])]
+        if not stale:
+            problems.append((None, f"no stale update among {len(per_step)} at delay {delay}: nothing was corrected"))
+        elif all(row["mean"] == 1.0 for row in stale):
+            steps = format_steps([row["step"] for row in stale])
+            problems.append((stale[0]["step"], f"mean weight exactly 1 at every stale step ({steps}): the correction was not applied"))
     if problems:
         return _result(CORRECTION_STATS, problems, "", kind=CORRECTION_STATS, extra={"per_step": per_step})
-    reported = [row for row in per_step if row["mean"] is not None]
     absent = [row["step"] for row in per_step if row["mean"] is None]
-    parts = []
-    if reported:
-        means = [row["mean"] for row in reported]
-        parts.append(
-            f"{correction}: mean weight {min(means):.4f} to {max(means):.4f} (average {math.fsum(means) / len(means):.4f}),"
-            f" clipped fraction at most {max(row['clipped_frac'] for row in reported):.3g},"
-            f" at steps {format_steps([row['step'] for row in reported])}"
-        )
+    means = [row["mean"] for row in reported]
+    parts = [
+        f"{correction}: mean weight {min(means):.4f} to {max(means):.4f} (average {math.fsum(means) / len(means):.4f}),"
+        f" clipped fraction at most {max(row['clipped_frac'] for row in reported):.3g},"
+        f" at steps {format_steps([row['step'] for row in reported])}"
+    ]
     if absent:
         parts.append(f"no corrected tokens at steps {format_steps(absent)}")
     return CheckResult(CORRECTION_STATS, CORRECTION_STATS, "pass", "; ".join(parts), extra={"per_step": per_step})

@@ -11,12 +11,18 @@ rank outlives the run.
 Logs: ``logs/rank<k>.log`` (stdout and stderr) when a suite has one launch group; with several,
 ``logs/<group>/rank<k>.log``, a group being named after its arms (``procs``, ``eager+graph``).
 The agent's own messages go to ``logs/launcher.log``.
+
+When ranks fail, the root cause is the rank that died first: an exit recorder watches every
+rank through a pidfd and timestamps each death as it happens, so a rank killed by SIGKILL is
+blamed rather than the peer that then lost its connection. triage.py judges that root cause.
+SIGINT and SIGTERM stay with the harness (cancel.py), not the agent.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import select
 import signal
 import socket
 import sys
@@ -33,6 +39,7 @@ from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, P
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
 from harness.suites import SuiteSpec
+from harness.triage import INFRASTRUCTURE, Verdict, classify, exception_line, oom_kills
 from harness.worker import AGENT_PID_ENV
 
 # Seconds the agent waits after SIGTERM before SIGKILL, once one rank has failed.
@@ -70,25 +77,36 @@ def plan_launches(suite: SuiteSpec) -> list[LaunchGroup]:
 
 @dataclass
 class RankFailure:
+    """One rank that ended badly, as the agent reported it and the exit recorder timed it."""
+
     rank: int
-    exitcode: int
+    exitcode: int  # negative: killed by that signal
     message: str  # a traceback where the rank left one, else how it ended
     log: str  # relative to the run directory
+    traceback: str | None = None
+    died_at: float | None = None  # monotonic seconds, from the exit recorder
     root_cause: bool = False
 
 
 @dataclass
 class LaunchResult:
+    """How one launch group ended; ``verdict`` judges its root-cause failure (triage.py)."""
+
     group: LaunchGroup
     duration_s: float
     timed_out: bool = False
     error: str | None = None  # set when the group failed; one paragraph for the user
     headline: str | None = None  # the same, in one line
     failures: list[RankFailure] = field(default_factory=list)
+    verdict: Verdict | None = None  # set when the group failed
 
     @property
     def ok(self) -> bool:
         return self.error is None
+
+    @property
+    def root(self) -> RankFailure | None:
+        return next((f for f in self.failures if f.root_cause), None)
 
 
 class _RankLogs(LogsSpecs):
@@ -145,10 +163,12 @@ def _signal_group(pid: int, sig: signal.Signals) -> None:
 class _Watchdog(threading.Thread):
     """Calls ``tick`` every interval; at the deadline dumps every rank's stack, then kills them."""
 
-    def __init__(self, deadline: float, marker: str, log_dir: Path, tick: Callable[[], None]) -> None:
+    def __init__(self, deadline: float, marker: str, log_dir: Path, ranks: int, tick: Callable[[], None]) -> None:
         super().__init__(daemon=True, name="harness-watchdog")
-        self.deadline, self.marker, self.log_dir, self.tick = deadline, marker, log_dir, tick
+        self.deadline, self.marker, self.log_dir, self.ranks, self.tick = deadline, marker, log_dir, ranks, tick
         self.fired = False
+        self.dumped: list[int] = []  # ranks whose logs grew after SIGUSR1: their stacks are there
+        self.silent: list[int] = []  # ranks that left no stack: not yet started, or not yet armed
         self._halt = threading.Event()
 
     def run(self) -> None:
@@ -165,19 +185,72 @@ class _Watchdog(threading.Thread):
 
     def _dump_and_kill(self) -> None:
         pids = worker_pids(os.getpid(), self.marker)
-        logs = list(self.log_dir.glob("rank*.log"))
-        sizes = {log: log.stat().st_size for log in logs}
+        logs = {int(log.stem.removeprefix("rank")): log for log in self.log_dir.glob("rank*.log")}
+        sizes = {rank: log.stat().st_size for rank, log in logs.items()}
         for pid in pids:
             _signal_group(pid, signal.SIGUSR1)
         give_up = time.monotonic() + STACK_DUMP_WAIT_S
-        while time.monotonic() < give_up and any(log.stat().st_size == sizes[log] for log in logs):
+        while time.monotonic() < give_up and any(log.stat().st_size == sizes[r] for r, log in logs.items()):
             time.sleep(0.05)
         for pid in pids:
             _signal_group(pid, signal.SIGKILL)
+        self.dumped = sorted(r for r, log in logs.items() if log.stat().st_size > sizes[r] and _has_stack(log))
+        self.silent = sorted(set(range(self.ranks)) - set(self.dumped))
 
     def stop(self) -> None:
         self._halt.set()
         self.join()
+
+
+def _has_stack(log: Path) -> bool:
+    return "(most recent call first)" in log.read_text(errors="replace")
+
+
+class _ExitRecorder(threading.Thread):
+    """Timestamps each rank's death the moment it happens (its pidfd turns readable), so the rank
+    that died first is known even when its peers fail milliseconds later."""
+
+    def __init__(self, marker: str, ranks: int) -> None:
+        super().__init__(daemon=True, name="harness-exit-recorder")
+        self.marker, self.ranks = marker, ranks
+        self.died_at: dict[int, float] = {}  # pid -> monotonic seconds
+        self._halt = threading.Event()
+
+    def run(self) -> None:
+        poller, fds = select.poll(), {}
+        while not self._halt.is_set():
+            if len(fds) < self.ranks:
+                for pid in set(worker_pids(os.getpid(), self.marker)) - set(fds.values()):
+                    try:
+                        fd = os.pidfd_open(pid)
+                    except OSError:  # already reaped: its death time stays unknown
+                        continue
+                    fds[fd] = pid
+                    poller.register(fd, select.POLLIN)
+            for fd, _ in poller.poll(50):
+                self.died_at.setdefault(fds[fd], time.monotonic())
+                poller.unregister(fd)
+        for fd in fds:
+            os.close(fd)
+
+    def stop(self) -> None:
+        self._halt.set()
+        self.join()
+
+
+@contextmanager
+def _worker_environment(env: dict[str, str]) -> Iterator[None]:
+    """Exports ``env`` to the ranks (the agent hands them a copy of os.environ), then restores it."""
+    saved = {key: os.environ.get(key) for key in env}
+    os.environ.update(env)
+    try:
+        yield
+    finally:
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
 
 
 @contextmanager
@@ -201,9 +274,19 @@ def _agent_logs_to(path: Path) -> Iterator[None]:
 
 
 def launch_group(
-    run_dir: Path, group: LaunchGroup, *, deadline: float, timeout_s: float, tick: Callable[[], None] = lambda: None
+    run_dir: Path,
+    group: LaunchGroup,
+    *,
+    deadline: float,
+    timeout_s: float,
+    env: dict[str, str] | None = None,
+    tick: Callable[[], None] = lambda: None,
 ) -> LaunchResult:
-    """Runs every arm of ``group`` in ``group.ranks`` fresh processes; never raises for rank failures."""
+    """Runs every arm of ``group`` in ``group.ranks`` fresh processes, with ``env`` exported to them.
+
+    Never raises for rank failures; ``Cancelled`` (a signal to the harness) passes through once the
+    ranks are gone.
+    """
     log_dir = run_dir / group.log_dir
     log_dir.mkdir(parents=True, exist_ok=True)
     config = LaunchConfig(
@@ -221,54 +304,67 @@ def launch_group(
         shutdown_timeout=SHUTDOWN_GRACE_S,
     )
     marker = str(run_dir.resolve())
-    watchdog = _Watchdog(deadline, marker, log_dir, tick)
+    watchdog = _Watchdog(deadline, marker, log_dir, group.ranks, tick)
+    exits = _ExitRecorder(marker, group.ranks)
     start = time.monotonic()
     failures: dict[int, ProcessFailure] = {}
     launch_error = None
-    os.environ[AGENT_PID_ENV] = str(os.getpid())  # the workers inherit the agent's environment
+    oom_before = oom_kills()
+    # The workers inherit the agent's environment; the agent leaves SIGINT and SIGTERM to cancel.py.
+    worker_env = {**(env or {}), AGENT_PID_ENV: str(os.getpid()), "TORCHELASTIC_SIGNALS_TO_HANDLE": "SIGHUP,SIGQUIT"}
     watchdog.start()
+    exits.start()
     try:
-        with _agent_logs_to(run_dir / "logs" / "launcher.log"):
+        with _agent_logs_to(run_dir / "logs" / "launcher.log"), _worker_environment(worker_env):
             elastic_launch(config, sys.executable)("-m", "harness.worker", marker, group.name)
     except ChildFailedError as e:
         failures = e.failures
-    except Exception as e:  # rendezvous, spawn or signal: the launch itself failed
+    except Exception as e:  # rendezvous or spawn: the launch itself failed
         launch_error = f"launch of group '{group.name}' failed: {type(e).__name__}: {e} (see logs/launcher.log)"
     finally:
         watchdog.stop()
+        for pid in worker_pids(os.getpid(), marker):  # a cancelled agent may leave ranks behind
+            _signal_group(pid, signal.SIGKILL)
+        exits.stop()
     tick()
-    leftovers = worker_pids(os.getpid(), marker)
-    for pid in leftovers:
-        _signal_group(pid, signal.SIGKILL)
-    result = LaunchResult(group, time.monotonic() - start, watchdog.fired, failures=_describe_failures(run_dir, group, failures))
-    result.headline, result.error = _explain(result, timeout_s, launch_error, len(leftovers))
+    oom_during = (oom_kills() or 0) - (oom_before or 0)
+    described = _describe_failures(run_dir, group, failures, exits.died_at)
+    result = LaunchResult(group, time.monotonic() - start, watchdog.fired, failures=described)
+    if result.root is not None:
+        result.verdict = classify(result.root.exitcode, result.root.traceback, oom_during)
+    elif watchdog.fired or launch_error:
+        result.verdict = Verdict(INFRASTRUCTURE, "timeout" if watchdog.fired else "launch failure")
+    result.headline, result.error = _explain(result, timeout_s, launch_error, watchdog)
     return result
 
 
-def _explain(result: LaunchResult, timeout_s: float, launch_error: str | None, leftovers: int) -> tuple[str | None, str | None]:
+def _explain(
+    result: LaunchResult, timeout_s: float, launch_error: str | None, watchdog: _Watchdog
+) -> tuple[str | None, str | None]:
     """(one line, full text) of what went wrong, or (None, None)."""
     group = result.group
-    headline = error = None
     if result.timed_out:
-        headline = error = (
-            f"group '{group.name}' timed out after --timeout {timeout_s:g}s; every rank's Python stack "
-            f"was dumped to {group.log('<k>')} and the ranks were killed"
-        )
-    elif result.failures:
-        root = next(f for f in result.failures if f.root_cause)
-        headline = f"rank {root.rank} failed ({_ending(root.exitcode)}): {root.message.strip().splitlines()[-1]}"
-        lines = [f"rank {root.rank} of group '{group.name}' failed ({_ending(root.exitcode)}; log: {root.log}):"]
+        dumped = f"ranks {watchdog.dumped}: Python stacks dumped to {group.log('<k>')}" if watchdog.dumped else ""
+        silent = f"ranks {watchdog.silent}: no stack (still starting up, before the dump handler)" if watchdog.silent else ""
+        text = f"group '{group.name}' timed out after --timeout {timeout_s:g}s; " + "; ".join(filter(None, [dumped, silent]))
+        return text, text + "; the ranks were killed"
+    root = result.root
+    if root is not None:
+        how = _ending(root.exitcode) + (f", {result.verdict.reason}" if result.verdict else "")
+        headline = f"rank {root.rank} failed first ({how}): {root.message.strip().splitlines()[-1]}"
+        lines = [f"rank {root.rank} of group '{group.name}' failed first ({how}; log: {root.log}):"]
         lines += ["    " + line for line in root.message.rstrip().splitlines()]
-        others = [f"rank {f.rank} {_ending(f.exitcode)}" for f in result.failures if not f.root_cause]
+        others = [
+            f"rank {f.rank} {_ending(f.exitcode)}" + (f" ({exception_line(f.traceback)})" if f.traceback else "")
+            for f in result.failures
+            if not f.root_cause
+        ]
         if others:
-            lines.append("then: " + "; ".join(others))
-        error = "\n".join(lines)
-    elif launch_error:
-        headline = error = launch_error
-    if leftovers:
-        note = f"killed {leftovers} leftover rank process(es)"
-        headline, error = headline or note, f"{error}\n{note}" if error else note
-    return headline, error
+            lines.append("then, as a consequence: " + "; ".join(others))
+        return headline, "\n".join(lines)
+    if launch_error:
+        return launch_error, launch_error
+    return None, None
 
 
 def _ending(exitcode: int) -> str:
@@ -277,27 +373,32 @@ def _ending(exitcode: int) -> str:
     return f"exit code {exitcode}"
 
 
-def _describe_failures(run_dir: Path, group: LaunchGroup, failures: dict[int, ProcessFailure]) -> list[RankFailure]:
-    """One entry per failed rank; the root cause is the earliest traceback, else a rank that exited itself."""
+def _describe_failures(
+    run_dir: Path, group: LaunchGroup, failures: dict[int, ProcessFailure], died_at: dict[int, float]
+) -> list[RankFailure]:
+    """One entry per failed rank; the root cause is the one that died first."""
     described = []
     for rank, failure in sorted(failures.items()):
         stack = failure.error_file_data.get("message", {})
         traceback = stack.get("extraInfo", {}).get("py_callstack") if isinstance(stack, dict) else None
         message = traceback or _tail(run_dir / group.log(rank)) or _ending(failure.exitcode)
-        described.append(RankFailure(rank, failure.exitcode, message, group.log(rank)))
+        described.append(RankFailure(rank, failure.exitcode, message, group.log(rank), traceback, died_at.get(failure.pid)))
     if described:
         _pick_root_cause(described, failures)
     return described
 
 
 def _pick_root_cause(described: list[RankFailure], failures: dict[int, ProcessFailure]) -> None:
-    # Error files carry whole-second timestamps; their mtimes order tracebacks finely enough.
-    with_files = [f for f in described if os.path.isfile(failures[f.rank].error_file)]
-    if with_files:
-        root = min(with_files, key=lambda f: os.stat(failures[f.rank].error_file).st_mtime_ns)
-    else:
-        exited = [f for f in described if f.exitcode > 0]  # the others were stopped by the agent
-        root = (exited or described)[0]
+    timed = [f for f in described if f.died_at is not None]
+    if timed:
+        root = min(timed, key=lambda f: f.died_at)
+    else:  # deaths not seen (reaped before the recorder looked): the earliest traceback, else an exit
+        with_files = [f for f in described if os.path.isfile(failures[f.rank].error_file)]
+        exited = [f for f in described if f.exitcode > 0]
+        if with_files:
+            root = min(with_files, key=lambda f: os.stat(failures[f.rank].error_file).st_mtime_ns)
+        else:
+            root = (exited or described)[0]
     root.root_cause = True
 
 

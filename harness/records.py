@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import tempfile
+from dataclasses import dataclass, field
 from pathlib import Path
 from types import TracebackType
 from typing import Any
@@ -86,8 +87,11 @@ def read_jsonl(path: Path) -> list[dict]:
 
 def read_metrics(path: Path) -> pd.DataFrame:
     """Reads an arm's metrics.jsonl into a DataFrame indexed by integer step, one row per step."""
-    path = Path(path)
-    records = read_jsonl(path)
+    return read_metrics_records(read_jsonl(path), path)
+
+
+def read_metrics_records(records: list[dict], path: Path | str) -> pd.DataFrame:
+    """read_metrics on records already read; ``path`` names them in errors."""
     for number, record in enumerate(records, start=1):
         step = record.get("step")
         if isinstance(step, bool) or not isinstance(step, int):
@@ -119,3 +123,40 @@ def write_json_atomic(path: Path, obj: Any) -> None:
     except BaseException:
         os.unlink(tmp)
         raise
+
+
+@dataclass
+class ArmRecords:
+    """What one arm left in the run directory, read back for the checks; partial when it crashed."""
+
+    metrics: pd.DataFrame = field(default_factory=lambda: read_metrics_records([], "<none>"))
+    updates: list[dict] = field(default_factory=list)  # metrics.jsonl as written: null and NaN kept apart
+    events: dict[int, list[dict]] = field(default_factory=dict)  # logical rank -> token-exchange events
+    moe_layers: list[int] | None = None  # None: arm.json missing or without them
+    graph_checks: list[dict] = field(default_factory=list)  # static checks of a traced arm's graph
+    cpu_capability: str | None = None  # the ISA ATen dispatched to in the arm's ranks
+    error: str | None = None  # unreadable records
+
+    def steps_done(self) -> int:
+        return len(self.metrics)
+
+
+def read_arm(run_dir: Path, arm: str, logical_ranks: int) -> ArmRecords:
+    """Reads ``arms/<arm>/``; a missing file reads as empty, an unreadable one sets ``error``."""
+    arm_dir = Path(run_dir) / "arms" / arm
+    records = ArmRecords()
+    try:
+        if (arm_dir / "metrics.jsonl").is_file():
+            records.updates = read_jsonl(arm_dir / "metrics.jsonl")
+            records.metrics = read_metrics_records(records.updates, arm_dir / "metrics.jsonl")
+        if (arm_dir / "arm.json").is_file():
+            arm_info = json.loads((arm_dir / "arm.json").read_text())
+            records.moe_layers = arm_info.get("moe_layers")
+            records.graph_checks = arm_info.get("graph_checks", [])
+            records.cpu_capability = arm_info.get("cpu_capability")
+        for logical_rank in range(logical_ranks):
+            path = arm_dir / f"events.rank{logical_rank}.jsonl"
+            records.events[logical_rank] = read_jsonl(path) if path.is_file() else []
+    except (RecordError, OSError, ValueError) as e:
+        records.error = f"unreadable records of arm '{arm}': {e}"
+    return records

@@ -42,7 +42,14 @@ PIPELINE_KINDS = ("exactly-once", "staleness-ages", "correction-stats")
 # Static checks of a traced arm's FX graph (exchange counts, launch/wait pairs, buffer sets, order).
 GRAPH_KIND = "graph-invariants"
 CHECK_KINDS = (*PAIR_KINDS, "token-exchange-invariants", "same-event-sequence", "determinism", *PIPELINE_KINDS, GRAPH_KIND)
-FAIL_MODES = ("raise", "hang", "exit")
+FAIL_MODES = ("raise", "hang", "exit", "kill")
+# Names that become paths (suites, arms) or labels (checks) must be safe as both.
+NAME_PATTERN = re.compile(r"[a-z0-9][a-z0-9_-]*")
+CHECK_NAME_PATTERN = re.compile(r"[A-Za-z0-9][A-Za-z0-9 _.,:()+-]*")
+# The tier a golden of another environment is checked with: it must absorb the kernel-ISA noise
+# between CPUs (measured at most 2e-6 relative over the shipped suites' 20 steps, AVX-512 vs AVX2)
+# and still catch a real change (a 1% learning-rate change moves the loss by 1e-3 at step 2).
+CROSS_ENV_TIER = {"kind": "close", "rtol": 1e-4, "atol": 0.0}
 DEFAULT_METRICS = ("loss", "grad_norm")
 DETERMINISM_METRICS = ("loss", "grad_norm", "tokens")
 
@@ -136,6 +143,7 @@ class SuiteSpec:
     checks: tuple[CheckSpec, ...]
     golden_tier: dict[str, Any]
     golden_metrics: tuple[str, ...]
+    golden_cross_env: dict[str, Any]
     debug: DebugSpec
 
     def to_dict(self) -> dict[str, Any]:
@@ -148,7 +156,7 @@ class SuiteSpec:
             "steps": self.steps,
             "arms": {a.name: {"ranks": a.ranks, "train": a.train} for a in self.arms.values()},
             "checks": [dataclasses.asdict(c) for c in self.checks],
-            "golden": {"tier": self.golden_tier, "metrics": list(self.golden_metrics)},
+            "golden": {"tier": self.golden_tier, "metrics": list(self.golden_metrics), "cross_env": self.golden_cross_env},
             "debug": dataclasses.asdict(self.debug),
         }
 
@@ -340,9 +348,7 @@ class _Validator:
         for key in ("name", "description", "ranks", "steps", "arms"):
             if key not in raw:
                 raise self.error(key, "missing")
-        name = self.str_(raw["name"], "name")
-        if not re.fullmatch(r"[a-z0-9][a-z0-9_-]*", name):
-            raise self.error("name", f"expected lowercase letters, digits, '-' or '_', got {_show(name)}")
+        name = self.name(raw["name"], "name")
         description = self.str_(raw["description"], "description")
         ranks = self.int_(raw["ranks"], "ranks", 1, MAX_RANKS)
         steps = self.int_(raw["steps"], "steps")
@@ -352,18 +358,25 @@ class _Validator:
         arms_raw = raw["arms"]
         if not isinstance(arms_raw, dict) or not arms_raw:
             raise self.error("arms", f"expected at least one [arms.NAME] table, got {_show(arms_raw)}")
-        arms = {arm: self.arm(arm, table, base, model, ranks, steps) for arm, table in arms_raw.items()}
+        arms = {self.name(arm, f"arms.{arm}"): self.arm(arm, table, base, model, ranks, steps) for arm, table in arms_raw.items()}
         checks_raw = raw.get("checks", [])
-        if not isinstance(checks_raw, list):
-            raise self.error("checks", f"expected an array of [[checks]] tables, got {_show(checks_raw)}")
+        if not isinstance(checks_raw, list) or not checks_raw:
+            # A suite that checks nothing would pass whatever its arms did.
+            raise self.error("checks", f"expected at least one [[checks]] table, got {_show(checks_raw)}")
         checks = tuple(self.check(c, f"checks.{i}", arms) for i, c in enumerate(checks_raw))
         names = [c.name for c in checks]
         for i, c in enumerate(checks):
             if names.count(c.name) > 1:
                 raise self.error(f"checks.{i}.name", f"duplicate check name {_show(c.name)}")
-        golden_tier, golden_metrics = self.golden(raw.get("golden", {}))
+        golden_tier, golden_metrics, cross_env = self.golden(raw.get("golden", {}))
         debug = self.debug(raw.get("debug", {}), arms, steps)
-        return SuiteSpec(name, description, path, ranks, steps, arms, checks, golden_tier, golden_metrics, debug)
+        return SuiteSpec(name, description, path, ranks, steps, arms, checks, golden_tier, golden_metrics, cross_env, debug)
+
+    def name(self, value: Any, dotted: str) -> str:
+        """Suite and arm names become directories: lowercase letters, digits, '-' and '_' only."""
+        if not isinstance(value, str) or not NAME_PATTERN.fullmatch(value):
+            raise self.error(dotted, f"expected a name of lowercase letters, digits, '-' or '_', got {_show(value)}")
+        return value
 
     def train_table(self, raw: Any, dotted: str, allowed: tuple[str, ...]) -> dict[str, Any]:
         table = self.table(raw, dotted, allowed)
@@ -427,14 +440,14 @@ class _Validator:
         if "kind" not in raw:
             raise self.error(f"{dotted}.kind", f"missing (one of {', '.join(CHECK_KINDS)})")
         kind = self.str_(raw["kind"], f"{dotted}.kind", CHECK_KINDS)
-        name = self.str_(raw["name"], f"{dotted}.name") if "name" in raw else None
+        name = self.check_name(raw["name"], f"{dotted}.name") if "name" in raw else None
         if kind == "token-exchange-invariants":
             self.table(raw, dotted, ("kind", "name", "arms"))
             chosen = self.str_list(raw["arms"], f"{dotted}.arms", list(arms)) if "arms" in raw else tuple(arms)
             return CheckSpec(kind, name or "token-exchange", chosen)
         if kind in PIPELINE_KINDS:
             self.table(raw, dotted, ("kind", "name", "arms"))
-            return CheckSpec(kind, name or kind, self.versioned_arms(raw, dotted, arms))
+            return CheckSpec(kind, name or kind, self.versioned_arms(raw, dotted, arms, kind == "correction-stats"))
         if kind == GRAPH_KIND:
             self.table(raw, dotted, ("kind", "name", "arms"))
             return CheckSpec(kind, name or kind, self.traced_arms(raw, dotted, arms))
@@ -454,6 +467,13 @@ class _Validator:
         metrics = self.metric_list(raw, dotted, DEFAULT_METRICS)
         return CheckSpec(kind, name or f"{a} vs {b}", (a, b), metrics, self.tier(raw, dotted))
 
+    def check_name(self, value: Any, dotted: str) -> str:
+        """Check names label reports and plots: no markup, path or shell characters."""
+        if not isinstance(value, str) or not CHECK_NAME_PATTERN.fullmatch(value):
+            allowed = "letters, digits, spaces and _ . , : ( ) + -"
+            raise self.error(dotted, f"expected a name of {allowed}, starting with a letter or digit, got {_show(value)}")
+        return value
+
     def traced_arms(self, raw: dict, dotted: str, arms: dict[str, ArmSpec]) -> tuple[str, ...]:
         """The arms whose graphs a graph check reads: those listed, or every traced arm."""
         traced = {arm for arm, spec in arms.items() if spec.train.get("chunking") in TRACED}
@@ -465,18 +485,28 @@ class _Validator:
             raise self.error(dotted, f"needs a traced arm (chunking one of {', '.join(TRACED)}); the suite has none")
         return chosen
 
-    def versioned_arms(self, raw: dict, dotted: str, arms: dict[str, ArmSpec]) -> tuple[str, ...]:
-        """The arms a version-protocol check reads: those listed, or every versioned arm."""
+    def versioned_arms(self, raw: dict, dotted: str, arms: dict[str, ArmSpec], corrected: bool) -> tuple[str, ...]:
+        """The arms a version-protocol check reads: those listed, or every versioned arm (with a
+        correction, when ``corrected``: statistics of a correction that is off check nothing)."""
         fields = ", ".join(PIPELINE_FIELDS)
+
+        def problem(spec: ArmSpec) -> str | None:
+            if not spec.versioned:
+                return f"is not versioned (it sets none of {fields})"
+            if corrected and spec.train["correction"] == "off":
+                return "has correction = \"off\": no statistics to check"
+            return None
+
         if "arms" not in raw:
-            chosen = tuple(arm for arm, spec in arms.items() if spec.versioned)
+            chosen = tuple(arm for arm, spec in arms.items() if problem(spec) is None)
             if not chosen:
-                raise self.error(dotted, f"needs a versioned arm (one that sets {fields}); the suite has none")
+                wanted = "a versioned arm with a correction" if corrected else f"a versioned arm (one that sets {fields})"
+                raise self.error(dotted, f"needs {wanted}; the suite has none")
             return chosen
         chosen = self.str_list(raw["arms"], f"{dotted}.arms", list(arms))
         for i, arm in enumerate(chosen):
-            if not arms[arm].versioned:
-                raise self.error(f"{dotted}.arms.{i}", f"arm {_show(arm)} is not versioned (it sets none of {fields})")
+            if reason := problem(arms[arm]):
+                raise self.error(f"{dotted}.arms.{i}", f"arm {_show(arm)} {reason}")
         return chosen
 
     def metric_list(self, raw: dict, dotted: str, default: tuple[str, ...]) -> tuple[str, ...]:
@@ -488,15 +518,24 @@ class _Validator:
         except ValueError as e:
             raise self.error(dotted, str(e)) from None
 
-    def golden(self, raw: Any) -> tuple[dict[str, Any], tuple[str, ...]]:
+    def golden(self, raw: Any) -> tuple[dict[str, Any], tuple[str, ...], dict[str, Any]]:
+        """(tier, metrics, cross-environment tier) of the [golden] table."""
         # The tier parser rejects fields the tier lacks; "arms" and "name" mean nothing here.
         if not isinstance(raw, dict):
             raise self.error("golden", f"expected a table, got {_show(raw)}")
         for key in ("arms", "name"):
             if key in raw:
-                raise self.error(f"golden.{key}", "unknown key (allowed: kind, metrics and the tier's fields)")
-        metrics = self.metric_list(raw, "golden", DEFAULT_METRICS)
-        return self.tier({"kind": "exact", **raw}, "golden"), metrics
+                raise self.error(f"golden.{key}", "unknown key (allowed: kind, metrics, cross_env and the tier's fields)")
+        own = {k: v for k, v in raw.items() if k != "cross_env"}
+        cross_env = raw.get("cross_env", CROSS_ENV_TIER)
+        if not isinstance(cross_env, dict) or cross_env.get("kind") == "exact":
+            raise self.error("golden.cross_env", f"expected a tier table that is not exact, got {_show(cross_env)}")
+        metrics = self.metric_list(own, "golden", DEFAULT_METRICS)
+        cross_tier = self.tier(cross_env, "golden.cross_env")
+        for key in ("metrics", "arms", "name"):
+            if key in cross_env:
+                raise self.error(f"golden.cross_env.{key}", "unknown key (allowed: kind and the tier's fields)")
+        return self.tier({"kind": "exact", **own}, "golden"), metrics, cross_tier
 
     def debug(self, raw: Any, arms: dict[str, ArmSpec], steps: int) -> DebugSpec:
         table = self.table(raw, "debug", tuple(f.name for f in dataclasses.fields(DebugSpec)))

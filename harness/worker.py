@@ -74,6 +74,8 @@ def _inject_fault(debug: dict[str, Any], arm: str, step: int, rank: int) -> None
         raise RuntimeError(f"injected failure (debug.fail_mode = 'raise') on rank {rank}, arm {arm}, step {step}")
     if mode == "exit":
         os._exit(INJECTED_EXIT_CODE)
+    if mode == "kill":
+        os.kill(os.getpid(), signal.SIGKILL)
     while True:  # "hang": sleep in Python so the stack dump shows where
         time.sleep(1)
 
@@ -124,7 +126,12 @@ def run_arm(run_dir: Path, arm: str, train: dict[str, Any], steps: int, debug: d
         if rank == 0:
             write_json_atomic(
                 arm_dir / "arm.json",
-                {"moe_layers": list(trainer.moe_layers), "train": train, "graph_checks": trainer.graph_checks},
+                {
+                    "moe_layers": list(trainer.moe_layers),
+                    "train": train,
+                    "graph_checks": trainer.graph_checks,
+                    "cpu_capability": torch.backends.cpu.get_cpu_capability().lower(),
+                },
             )
         for result in updates(trainer, steps, lambda step: _inject_fault(debug, arm, step, rank)):
             if metrics is not None:

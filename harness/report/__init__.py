@@ -22,4 +22,6 @@ def format_verdict_table(summary: dict) -> str:
     width_status = max(len(r[0]) for r in rows)
     width_name = max(len(r[1]) for r in rows)
     lines = [f"  {s:<{width_status}}  {n:<{width_name}}  {d}" for s, n, d in rows]
-    return "\n".join([head, *lines])
+    counts = {s: sum(c.get("status") == s for c in checks) for s in ("pass", "fail", "error", "skip")}
+    tally = f"{counts['pass']} passed, {counts['fail']} failed, {counts['error']} errors, {counts['skip']} skipped"
+    return "\n".join([head, *lines, tally])

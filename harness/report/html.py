@@ -53,6 +53,11 @@ def _differences(metric: str, metrics: dict[str, pd.DataFrame], golden: dict[str
     return out
 
 
+def _label(text: str) -> str:
+    """A legend label as matplotlib shows it literally: "$" would start mathtext."""
+    return text.replace("$", r"\$")
+
+
 def _plot(metric: str, metrics: dict[str, pd.DataFrame], golden: dict[str, pd.DataFrame]) -> str:
     """One PNG (base64) per metric: all arms overlaid, and their absolute differences on a log scale."""
     fig = Figure(figsize=(11, 3.4), dpi=100, layout="constrained")
@@ -62,15 +67,15 @@ def _plot(metric: str, metrics: dict[str, pd.DataFrame], golden: dict[str, pd.Da
     marker = "." if max(len(f) for f in metrics.values()) <= _MARKERS_UP_TO else None
     for arm, frame in metrics.items():
         if metric in frame.columns:
-            ax_values.plot(frame.index, frame[metric], marker=marker, label=arm)
+            ax_values.plot(frame.index, frame[metric], marker=marker, label=_label(arm))
     for arm, frame in golden.items():
         if metric in frame.columns:
-            ax_values.plot(frame.index, frame[metric], linestyle="--", color="black", alpha=0.6, label=f"golden {arm}")
-    ax_values.set(title=metric, xlabel="step")
+            ax_values.plot(frame.index, frame[metric], linestyle="--", color="black", alpha=0.6, label=_label(f"golden {arm}"))
+    ax_values.set(title=_label(metric), xlabel="step")
     ax_values.legend(fontsize="small")
 
     diffs = _differences(metric, metrics, golden)
-    ax_diff.set(title=f"{metric}: absolute difference", xlabel="step")
+    ax_diff.set(title=_label(f"{metric}: absolute difference"), xlabel="step")
     positive = [d[d > 0] for _, d in diffs]
     if not any(len(p) for p in positive):
         message = "all differences are exactly 0" if diffs else "nothing to compare"
@@ -81,10 +86,10 @@ def _plot(metric: str, metrics: dict[str, pd.DataFrame], golden: dict[str, pd.Da
         floor = min(float(p.min()) for p in positive if len(p)) / 10
         ax_diff.set_yscale("log")
         for label, diff in diffs:
-            (line,) = ax_diff.plot(diff.index, diff.where(diff > 0), marker=marker, label=label)
+            (line,) = ax_diff.plot(diff.index, diff.where(diff > 0), marker=marker, label=_label(label))
             zeros = diff.index[diff == 0]
             if len(zeros):
-                ax_diff.scatter(zeros, np.full(len(zeros), floor), marker="v", s=12, color=line.get_color(), label=f"{label} = 0")
+                ax_diff.scatter(zeros, np.full(len(zeros), floor), marker="v", s=12, color=line.get_color(), label=_label(f"{label} = 0"))
         ax_diff.axhline(floor, color="grey", linewidth=0.5)
         ax_diff.legend(fontsize="small")
     buf = io.BytesIO()

@@ -1,0 +1,156 @@
+"""Where a run's numbers come from: versions, the device class, the CPU kernel pin, the env key.
+
+A golden is owed only by the environment that recorded it. On CPUs, torch's kernels (ATen's
+vectorised loops, MKL's BLAS, oneDNN) dispatch on the widest vector ISA the machine has, so the
+same run differs in the 7th digit between an AVX-512 and an AVX2-only x86-64 machine. The harness
+therefore pins the ranks' kernels to AVX2 by default: every x86-64 server CPU of the last decade
+has it, and a golden recorded under the pin on one such machine checks bitwise on another.
+``--cpu-isa native`` opts out for native speed; its goldens are keyed by the ISA torch picks.
+
+Device classes: ``cpu-pinned-avx2`` (the default on x86-64 with AVX2), ``cpu-native-<isa>``
+(``--cpu-isa native``, or a CPU the pin cannot apply to), ``cuda-<gpu model>`` (``cuda-h200``).
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import subprocess
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+import harness
+from harness.golden import env_key
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+CPU_ISAS = ("avx2", "native")
+# What the AVX2 pin exports to every rank before torch loads there.
+AVX2_PIN = {
+    "ATEN_CPU_CAPABILITY": "avx2",  # ATen's vectorised CPU kernels
+    "MKL_ENABLE_INSTRUCTIONS": "AVX2",  # MKL's BLAS, which runs torch's float32 matmuls on x86
+    "MKL_CBWR": "AVX2",  # MKL's conditional numerical reproducibility: one code path on any AVX2 CPU
+    "ONEDNN_MAX_CPU_ISA": "AVX2",  # oneDNN primitives
+}
+
+
+@dataclass(frozen=True)
+class CpuPin:
+    """The kernel ISA a CPU run's ranks use, and the environment that makes them use it."""
+
+    requested: str  # avx2 | native
+    capability: str  # what ATen dispatches to in the ranks, lower case: "avx2", "avx512", ...
+    env: dict[str, str] = field(default_factory=dict)  # exported to the ranks; empty when not pinned
+    note: str | None = None  # why the requested pin does not apply here
+
+    @property
+    def pinned(self) -> bool:
+        return bool(self.env)
+
+    @property
+    def device_class(self) -> str:
+        return f"cpu-{'pinned' if self.pinned else 'native'}-{self.capability}"
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"requested": self.requested, "capability": self.capability, "env": dict(self.env), "note": self.note}
+
+
+def _cpu_flags() -> set[str]:
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return set()
+    line = next((line for line in text.splitlines() if line.startswith("flags")), "")
+    return set(line.partition(":")[2].split())
+
+
+def cpu_pin(requested: str = "avx2") -> CpuPin:
+    """Resolves ``--cpu-isa``: AVX2 where the machine is x86-64 with AVX2 and FMA, native otherwise.
+
+    The native capability is the one this process's torch dispatches to, which honours an
+    ATEN_CPU_CAPABILITY the user exported; the ranks inherit it.
+    """
+    if requested not in CPU_ISAS:
+        raise ValueError(f"--cpu-isa: expected one of {', '.join(CPU_ISAS)}, got {requested!r}")
+    native = torch.backends.cpu.get_cpu_capability().lower()
+    if requested == "native":
+        return CpuPin("native", native)
+    if platform.machine().lower() not in ("x86_64", "amd64"):
+        return CpuPin("avx2", native, note=f"the AVX2 pin needs x86-64, this is {platform.machine()}: running native")
+    if not {"avx2", "fma"} <= _cpu_flags():
+        return CpuPin("avx2", native, note="this CPU lacks AVX2 or FMA: running native")
+    return CpuPin("avx2", "avx2", dict(AVX2_PIN))
+
+
+def git_sha() -> str:
+    """HEAD of the harness checkout, "-dirty" when it has local changes; "unknown" outside git."""
+    try:
+        sha = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO_ROOT, capture_output=True, text=True, check=True)
+        dirty = subprocess.run(
+            ["git", "status", "--porcelain"], cwd=REPO_ROOT, capture_output=True, text=True, check=True
+        )
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+    return sha.stdout.strip() + ("-dirty" if dirty.stdout.strip() else "")
+
+
+def versions() -> dict[str, str]:
+    return {
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "harness": harness.__version__,
+        "git_sha": git_sha(),
+    }
+
+
+def device_class(device: str, pin: CpuPin | None = None) -> str:
+    """"cpu-pinned-avx2", "cpu-native-avx512", or "cuda-<gpu model>" such as "cuda-h200"."""
+    if device == "cuda":
+        return "cuda-" + torch.cuda.get_device_name(0).lower().removeprefix("nvidia ").split()[0]
+    return (pin or cpu_pin()).device_class
+
+
+def backend_for(device: str) -> str:
+    return "nccl" if device == "cuda" else "gloo"
+
+
+def run_env_key(device: str, dtype: str, pin: CpuPin | None = None) -> str:
+    """The env key a run on ``device`` records and looks its golden up under."""
+    return env_key(device_class(device, pin), backend_for(device), dtype, torch.__version__)
+
+
+def describe_environment(golden_dir: Path) -> dict[str, Any]:
+    """What ``harness doctor`` prints: versions, devices, backends, the CPU pin, the env key runs use
+    and the goldens recorded for it."""
+    cuda = torch.cuda.is_available()
+    pin = cpu_pin()
+    key = run_env_key("cpu", "float32", pin)
+    recorded = sorted(p.parent.name for p in golden_dir.glob(f"*/{key}.json"))
+    info: dict[str, Any] = {
+        **versions(),
+        "platform": platform.platform(),
+        "executable": sys.executable,
+        "cpus": len(os.sched_getaffinity(0)),
+        "cpu isa": f"{pin.capability} ({'pinned: ' + ' '.join(f'{k}={v}' for k, v in pin.env.items()) if pin.pinned else 'native'})",
+        "cuda": torch.version.cuda if cuda else None,
+        "gpus": [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())] if cuda else [],
+        "backends": {
+            name: available()
+            for name, available in (
+                ("gloo", dist.is_gloo_available),
+                ("nccl", dist.is_nccl_available),
+                ("mpi", dist.is_mpi_available),
+            )
+        },
+        "env key cpu": key,
+        "goldens cpu": f"{len(recorded)} in {golden_dir}: {', '.join(recorded)}" if recorded else f"none in {golden_dir}",
+    }
+    if pin.note:
+        info["cpu isa note"] = pin.note
+    if cuda:
+        info["env key cuda"] = run_env_key("cuda", "float32")
+    return info

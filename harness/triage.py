@@ -1,0 +1,89 @@
+"""A failed rank: regression or flake? The classification behind exit codes 1 and 3.
+
+CI retries a flake (exit 3) and blocks on a regression (exit 1), so a crash must be told apart
+from infrastructure trouble. Only the root cause is judged: the rank that died first (launch.py
+orders deaths as they happen). Its peers' errors ("Connection reset by peer") are consequences.
+The rules, in order:
+
+1. It died by a signal (SIGKILL, SIGSEGV, SIGABRT, ...): infrastructure. A SIGKILL while the
+   cgroup's OOM-kill counter rose is named an OOM kill.
+2. It raised, and its exception matches a flake pattern below: infrastructure.
+3. It raised, and the traceback passes through the system under test (``harness/reference/``):
+   a regression, reported as the failed check "rank k raised" with the traceback. A shape error
+   or an internal consistency assertion ("replay of batch 2 diverged") a change introduced fails
+   the same way on every retry.
+4. Anything else (the harness's own code, an exit without a traceback): infrastructure.
+
+The patterns are matched against the exception's last line only: every traceback through a
+collective has ``distributed_c10d.py`` among its frames, and that alone says nothing.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+import harness.reference
+
+REGRESSION, INFRASTRUCTURE = "regression", "infrastructure"
+SUBJECT_DIR = Path(harness.reference.__file__).resolve().parent
+MEMORY_EVENTS = Path("/sys/fs/cgroup/memory.events")
+
+# (what it is, pattern on the exception line): failures that retrying may cure.
+FLAKE_PATTERNS: tuple[tuple[str, re.Pattern[str]], ...] = (
+    (
+        "process group or network",
+        re.compile(
+            r"Connection (reset|closed|refused)|Broken pipe|DistNetworkError|DistBackendError|DistStoreError"
+            r"|Gloo|NCCL|nccl|Socket Timeout|timed out|Timed out|TimeoutError|ECONNRESET"
+        ),
+    ),
+    ("out of memory", re.compile(r"out of memory|OutOfMemoryError|Cannot allocate memory|bad_alloc")),
+    ("device", re.compile(r"CUDA error|CUDA driver|cudaError|ECC error|device-side assert")),
+)
+
+_FRAME = re.compile(r'^\s*File "([^"]+)", line \d+, in ', re.MULTILINE)
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """How one rank failure counts: REGRESSION (exit 1) or INFRASTRUCTURE (exit 3), and why."""
+
+    kind: str
+    reason: str
+
+
+def exception_line(traceback: str) -> str:
+    """"RuntimeError: shapes cannot be multiplied": the last unindented line of a traceback."""
+    lines = [line for line in traceback.strip().splitlines() if line.strip() and not line[0].isspace()]
+    return lines[-1].strip() if lines else ""
+
+
+def oom_kills() -> int | None:
+    """The cgroup's OOM-kill counter (cgroup v2), or None where it cannot be read."""
+    try:
+        text = MEMORY_EVENTS.read_text()
+    except OSError:
+        return None
+    match = re.search(r"^oom_kill (\d+)$", text, re.MULTILINE)
+    return int(match[1]) if match else None
+
+
+def classify(exitcode: int, traceback: str | None, oom_kills_during: int = 0) -> Verdict:
+    """Applies the rules above to the root-cause rank: its exit code (negative: killed by that
+    signal) and the traceback it left, if any."""
+    if exitcode < 0:
+        if oom_kills_during > 0 and -exitcode == 9:
+            return Verdict(INFRASTRUCTURE, f"OOM kill ({oom_kills_during} in the cgroup's memory.events)")
+        return Verdict(INFRASTRUCTURE, "killed by a signal")
+    if not traceback:
+        return Verdict(INFRASTRUCTURE, f"exit code {exitcode} without a traceback")
+    line = exception_line(traceback)
+    for what, pattern in FLAKE_PATTERNS:
+        if pattern.search(line):
+            return Verdict(INFRASTRUCTURE, f"{what} error")
+    subject = [f for f in _FRAME.findall(traceback) if Path(f).resolve().is_relative_to(SUBJECT_DIR)]
+    if subject:
+        return Verdict(REGRESSION, f"raised in the system under test ({Path(subject[-1]).name})")
+    return Verdict(INFRASTRUCTURE, "raised outside the system under test")
