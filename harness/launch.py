@@ -302,6 +302,7 @@ def launch_group(
         logs_specs=_RankLogs(log_dir),
         local_addr="127.0.0.1",
         shutdown_timeout=SHUTDOWN_GRACE_S,
+        signals_to_handle="SIGHUP,SIGQUIT",  # SIGINT and SIGTERM stay with the harness (cancel.py)
     )
     marker = str(run_dir.resolve())
     watchdog = _Watchdog(deadline, marker, log_dir, group.ranks, tick)
@@ -310,8 +311,7 @@ def launch_group(
     failures: dict[int, ProcessFailure] = {}
     launch_error = None
     oom_before = oom_kills()
-    # The workers inherit the agent's environment; the agent leaves SIGINT and SIGTERM to cancel.py.
-    worker_env = {**(env or {}), AGENT_PID_ENV: str(os.getpid()), "TORCHELASTIC_SIGNALS_TO_HANDLE": "SIGHUP,SIGQUIT"}
+    worker_env = {**(env or {}), AGENT_PID_ENV: str(os.getpid())}  # the workers inherit the agent's environment
     watchdog.start()
     exits.start()
     try:
@@ -350,12 +350,12 @@ def _explain(
         return text, text + "; the ranks were killed"
     root = result.root
     if root is not None:
-        how = _ending(root.exitcode) + (f", {result.verdict.reason}" if result.verdict else "")
+        how = result.verdict.reason if root.exitcode < 0 else f"{_ending(root.exitcode)}, {result.verdict.reason}"
         headline = f"rank {root.rank} failed first ({how}): {root.message.strip().splitlines()[-1]}"
         lines = [f"rank {root.rank} of group '{group.name}' failed first ({how}; log: {root.log}):"]
         lines += ["    " + line for line in root.message.rstrip().splitlines()]
         others = [
-            f"rank {f.rank} {_ending(f.exitcode)}" + (f" ({exception_line(f.traceback)})" if f.traceback else "")
+            f"rank {f.rank} {_ending(f.exitcode)}" + (f" ({exception_line(f.traceback)[:160]})" if f.traceback else "")
             for f in result.failures
             if not f.root_cause
         ]

@@ -52,7 +52,8 @@ from harness.triage import REGRESSION
 EXIT_PASS, EXIT_FAIL, EXIT_USAGE, EXIT_INFRA = 0, 1, 2, 3
 REPO_ROOT = Path(__file__).resolve().parent.parent
 REPORTS_DIR = REPO_ROOT / "reports"
-GOLDEN_DIR = REPO_ROOT / "golden"
+# HARNESS_GOLDEN_DIR moves the default golden root (a CI cache, a test's empty directory).
+GOLDEN_DIR = Path(os.environ.get("HARNESS_GOLDEN_DIR", REPO_ROOT / "golden"))
 log = logging.getLogger("harness")
 
 

@@ -42,7 +42,7 @@ PIPELINE_KINDS = ("exactly-once", "staleness-ages", "correction-stats")
 # Static checks of a traced arm's FX graph (exchange counts, launch/wait pairs, buffer sets, order).
 GRAPH_KIND = "graph-invariants"
 CHECK_KINDS = (*PAIR_KINDS, "token-exchange-invariants", "same-event-sequence", "determinism", *PIPELINE_KINDS, GRAPH_KIND)
-FAIL_MODES = ("raise", "hang", "exit", "kill")
+FAIL_MODES = ("raise", "hang", "exit", "kill", "stop")
 # Names that become paths (suites, arms) or labels (checks) must be safe as both.
 NAME_PATTERN = re.compile(r"[a-z0-9][a-z0-9_-]*")
 CHECK_NAME_PATTERN = re.compile(r"[A-Za-z0-9][A-Za-z0-9 _.,:()+-]*")

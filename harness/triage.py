@@ -21,6 +21,7 @@ collective has ``distributed_c10d.py`` among its frames, and that alone says not
 from __future__ import annotations
 
 import re
+import signal
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -74,9 +75,10 @@ def classify(exitcode: int, traceback: str | None, oom_kills_during: int = 0) ->
     """Applies the rules above to the root-cause rank: its exit code (negative: killed by that
     signal) and the traceback it left, if any."""
     if exitcode < 0:
-        if oom_kills_during > 0 and -exitcode == 9:
-            return Verdict(INFRASTRUCTURE, f"OOM kill ({oom_kills_during} in the cgroup's memory.events)")
-        return Verdict(INFRASTRUCTURE, "killed by a signal")
+        name = signal.Signals(-exitcode).name
+        if oom_kills_during > 0 and -exitcode == signal.SIGKILL:
+            return Verdict(INFRASTRUCTURE, f"killed by {name}: an OOM kill (oom_kill rose by {oom_kills_during})")
+        return Verdict(INFRASTRUCTURE, f"killed by {name}")
     if not traceback:
         return Verdict(INFRASTRUCTURE, f"exit code {exitcode} without a traceback")
     line = exception_line(traceback)

@@ -64,12 +64,16 @@ def _init_process_group(device: str, backend: str) -> None:
         dist.init_process_group(backend)
 
 
-def _inject_fault(debug: dict[str, Any], arm: str, step: int, rank: int) -> None:
-    """The [debug] table: make this rank raise, exit or hang, to prove the failure paths."""
-    if (debug["fail_step"], debug["fail_arm"], debug["fail_rank"]) != (step, arm, rank):
-        return
+def _inject_fault(debug: dict[str, Any], arm: str, step: int, rank: int) -> bool:
+    """The [debug] table: make this rank raise, exit, hang or die by SIGKILL, or every rank stop
+    the arm early without an error (as a trainer whose loop ends early), to prove the failure
+    paths. Returns whether the arm goes on."""
     mode = debug["fail_mode"]
+    if (debug["fail_step"], debug["fail_arm"]) != (step, arm) or (mode != "stop" and debug["fail_rank"] != rank):
+        return True
     print(f"[debug] injecting fail_mode={mode} on rank {rank}, arm {arm}, step {step}", flush=True)
+    if mode == "stop":
+        return False
     if mode == "raise":
         raise RuntimeError(f"injected failure (debug.fail_mode = 'raise') on rank {rank}, arm {arm}, step {step}")
     if mode == "exit":
@@ -80,8 +84,9 @@ def _inject_fault(debug: dict[str, Any], arm: str, step: int, rank: int) -> None
         time.sleep(1)
 
 
-def updates(trainer: Trainer, steps: int, before_step: Callable[[int], None]) -> Iterator[dict]:
-    """One record per optimizer update, numbered 1..steps, whichever the trainer.
+def updates(trainer: Trainer, steps: int, before_step: Callable[[int], bool]) -> Iterator[dict]:
+    """One record per optimizer update, numbered 1..steps, whichever the trainer; ends early, and
+    undrained, where ``before_step`` returns False.
 
     Batches are numbered like steps, for a versioned trainer too (its own ``run`` counts from 0):
     at delay 0 it then trains on the data a plain Trainer sees at the same step, so the two
@@ -91,7 +96,8 @@ def updates(trainer: Trainer, steps: int, before_step: Callable[[int], None]) ->
 
     def ticks() -> Iterator[dict | None]:
         for step in range(1, steps + 1):
-            before_step(step)
+            if not before_step(step):
+                return
             yield trainer.step(step)  # None while a versioned pipeline fills
         if versioned:
             yield from trainer.drain()

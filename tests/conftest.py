@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import time
@@ -33,13 +34,21 @@ def _command(args: tuple) -> list[str]:
     return [sys.executable, "-m", "harness", *map(str, args)]
 
 
+@pytest.fixture(autouse=True)
+def no_shipped_goldens(tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch) -> None:
+    """CLI runs see an empty golden root unless a test passes --golden-dir: no test may depend on
+    the goldens shipped for the machine it runs on."""
+    monkeypatch.setenv("HARNESS_GOLDEN_DIR", str(tmp_path_factory.mktemp("no-goldens")))
+
+
 @pytest.fixture
 def run_harness() -> Callable[..., CliRun]:
     """``run_harness("run", "determinism", "--steps", 3)``: the real CLI, waited for."""
 
-    def run(*args: object, timeout: float = 240) -> CliRun:
+    def run(*args: object, timeout: float = 240, env: dict[str, object] | None = None) -> CliRun:
         start = time.monotonic()
-        proc = subprocess.run(_command(args), cwd=REPO, capture_output=True, text=True, timeout=timeout)
+        environ = {**os.environ, **{k: str(v) for k, v in (env or {}).items()}}
+        proc = subprocess.run(_command(args), cwd=REPO, capture_output=True, text=True, timeout=timeout, env=environ)
         return CliRun(proc.returncode, proc.stdout, proc.stderr, time.monotonic() - start)
 
     return run
@@ -51,7 +60,9 @@ def start_harness() -> Callable[..., subprocess.Popen]:
     started: list[subprocess.Popen] = []
 
     def start(*args: object) -> subprocess.Popen:
-        proc = subprocess.Popen(_command(args), cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        proc = subprocess.Popen(
+            _command(args), cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=os.environ.copy()
+        )
         started.append(proc)
         return proc
 

@@ -6,13 +6,12 @@ import json
 from pathlib import Path
 
 import pytest
-import torch
 
-from harness.golden import PROVENANCE_KEYS, env_key
-from harness.run import device_class
+from harness.environment import run_env_key
+from harness.golden import PROVENANCE_KEYS
 from harness.records import read_jsonl
 
-CPU_KEY = env_key(device_class("cpu"), "gloo", "float32", torch.__version__)
+CPU_KEY = run_env_key("cpu", "float32")
 HANG_TIMEOUT_S = 25
 
 
@@ -58,7 +57,8 @@ def test_rank_that_raises_exits_3_and_shows_its_traceback(run_harness, processes
         "run", "logical-ranks", "--steps", 3, "--out", out, "--set", "debug.fail_step=2", "--set", "debug.fail_rank=1"
     )
     assert run.returncode == 3, run.stdout + run.stderr
-    assert "rank 1 of group 'procs' failed" in run.stderr
+    assert "rank 1 of group 'procs' failed first" in run.stderr
+    assert "raised outside the system under test" in run.stderr  # the injection is the harness's own code
     assert "Traceback (most recent call last)" in run.stderr
     assert "RuntimeError: injected failure" in run.stderr
     summary = run.summary(out)
@@ -66,6 +66,56 @@ def test_rank_that_raises_exits_3_and_shows_its_traceback(run_harness, processes
     assert summary["arms"]["procs"]["steps_completed"] == 1  # the finished step stays on disk
     assert run.check(out, "launch: procs")["status"] == "error"
     assert not processes_mentioning(str(out))
+
+
+def test_sigkilled_rank_is_named_as_the_root_cause_not_its_survivor(run_harness, tmp_path: Path) -> None:
+    out = tmp_path / "run"
+    run = run_harness(
+        "run", "logical-ranks", "--steps", 3, "--out", out,
+        "--set", "debug.fail_step=2", "--set", "debug.fail_rank=1", "--set", "debug.fail_mode=kill",
+    )  # fmt: skip
+    assert run.returncode == 3, run.stdout + run.stderr
+    assert "rank 1 of group 'procs' failed first (killed by SIGKILL" in run.stderr, run.stderr
+    assert "then, as a consequence: rank 0" in run.stderr
+    root = run.summary(out)["launches"][0]["root_cause"]
+    assert root == {"kind": "infrastructure", "reason": "killed by SIGKILL", "rank": 1}
+
+
+SUBJECT_BUG = """
+import harness.reference.model as model
+
+
+def broken_norm(self, x):
+    raise RuntimeError("shape '[4, 32, 64]' is invalid for input of size 4000")
+
+
+model.RMSNorm.forward = broken_norm
+"""
+
+
+def test_rank_raising_in_the_system_under_test_is_a_regression(run_harness, tmp_path: Path) -> None:
+    """A shape error a change put into the reference fails the same way on every retry: exit 1."""
+    (tmp_path / "bug").mkdir()
+    (tmp_path / "bug" / "sitecustomize.py").write_text(SUBJECT_BUG)  # loaded by every rank at start-up
+    out = tmp_path / "run"
+    run = run_harness("run", "logical-ranks", "--steps", 2, "--out", out, env={"PYTHONPATH": tmp_path / "bug"})
+    assert run.returncode == 1, run.stdout + run.stderr
+    raised = [c for c in run.summary(out)["checks"] if c["kind"] == "rank-raised"]
+    assert len(raised) == 1 and raised[0]["status"] == "fail", raised
+    assert "raised in the system under test (model.py)" in raised[0]["detail"]
+    assert "is invalid for input of size 4000" in raised[0]["extra"]["traceback"]
+    assert run.summary(out)["verdict"] == "fail"
+
+
+def test_arm_that_stops_short_without_a_crash_fails(run_harness, tmp_path: Path) -> None:
+    out = tmp_path / "run"
+    run = run_harness(
+        "run", "logical-ranks", "--steps", 3, "--out", out, "--set", "debug.fail_step=2", "--set", "debug.fail_mode=stop"
+    )
+    assert run.returncode == 1, run.stdout + run.stderr
+    short = run.check(out, "records: procs")
+    assert short["status"] == "fail" and short["detail"] == "arm 'procs' recorded 1 of 3 steps, and no rank failed"
+    assert run.check(out, "procs vs inproc: loss")["status"] == "fail"  # the checks still ran, on 1 step
 
 
 def test_rank_that_hangs_is_dumped_and_killed_at_the_timeout(run_harness, processes_mentioning, tmp_path: Path) -> None:
@@ -115,8 +165,8 @@ def test_bad_set_exits_2_naming_the_override(run_harness, tmp_path: Path) -> Non
 def _golden_of(suite: str) -> str:
     trajectory = {"start_step": 1, "end_step": 1, "values": {"1": 1.0}}
     return json.dumps({
-        "schema": 1, "suite": suite, "env_key": CPU_KEY, "provenance": dict.fromkeys(PROVENANCE_KEYS, "x"),
-        "tier": {"kind": "exact"}, "arms": {"first": {"loss": trajectory}},
+        "schema": 2, "suite": suite, "env_key": CPU_KEY, "provenance": dict.fromkeys(PROVENANCE_KEYS, "x"),
+        "config": {"steps": 1, "arms": {}}, "tier": {"kind": "exact"}, "arms": {"first": {"loss": trajectory}},
     })  # fmt: skip
 
 

@@ -1,0 +1,67 @@
+"""Cancelling `harness run` with SIGINT or SIGTERM: exit 128 + N, verdict `cancelled`, every
+output written, no rank left behind; a second signal aborts at once."""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+
+def _wait_for(path: Path, proc: subprocess.Popen, timeout_s: float = 120) -> None:
+    give_up = time.monotonic() + timeout_s
+    while not (path.is_file() and path.stat().st_size):
+        assert proc.poll() is None, proc.communicate()
+        assert time.monotonic() < give_up, f"{path} never appeared"
+        time.sleep(0.05)
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
+def test_signal_cancels_with_128_plus_n_and_writes_every_output(
+    start_harness, processes_mentioning, tmp_path: Path, sig: signal.Signals
+) -> None:
+    out = tmp_path / "run"
+    proc = start_harness("run", "logical-ranks", "--steps", 50, "--out", out)
+    _wait_for(out / "arms" / "procs" / "metrics.jsonl", proc)  # the ranks are training
+    proc.send_signal(sig)
+    stdout, stderr = proc.communicate(timeout=60)
+    assert proc.returncode == 128 + sig, stdout + stderr
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["verdict"] == "cancelled" and summary["exit_code"] == 128 + sig
+    cancelled = next(c for c in summary["checks"] if c["name"] == "cancelled")
+    assert cancelled["detail"].startswith(f"cancelled by {sig.name}")
+    assert 1 <= summary["arms"]["procs"]["steps_completed"] < 50  # what the ranks recorded is kept
+    assert "<error" in (out / "junit.xml").read_text()
+    assert (out / "report.html").stat().st_size > 0
+    assert "Traceback" not in stderr
+    assert not processes_mentioning(str(out))
+
+
+def test_second_sigint_while_the_outputs_are_written_aborts_with_130(start_harness, processes_mentioning, tmp_path: Path) -> None:
+    out = tmp_path / "run"
+    proc = start_harness("run", "logical-ranks", "--steps", 50, "--out", out)
+    _wait_for(out / "arms" / "procs" / "metrics.jsonl", proc)
+    proc.send_signal(signal.SIGINT)
+    _wait_for(out / "summary.json", proc, timeout_s=60)  # written first, before junit.xml and the report
+    proc.send_signal(signal.SIGINT)
+    stdout, stderr = proc.communicate(timeout=30)
+    assert proc.returncode == 130, stdout + stderr
+    assert json.loads((out / "summary.json").read_text())["verdict"] == "cancelled"
+    assert (out / "junit.xml").is_file()
+    assert not processes_mentioning(str(out))
+
+
+def test_second_sigint_during_the_launch_aborts_at_once(start_harness, processes_mentioning, tmp_path: Path) -> None:
+    out = tmp_path / "run"
+    proc = start_harness("run", "logical-ranks", "--steps", 50, "--out", out)
+    _wait_for(out / "arms" / "procs" / "metrics.jsonl", proc)
+    proc.send_signal(signal.SIGINT)
+    proc.send_signal(signal.SIGINT)
+    stdout, stderr = proc.communicate(timeout=30)
+    assert proc.returncode == 130, stdout + stderr
+    time.sleep(1)  # PR_SET_PDEATHSIG: the ranks follow the harness
+    assert not processes_mentioning(str(out))
