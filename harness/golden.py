@@ -160,7 +160,7 @@ def _parse(obj: Any, source: Any) -> Golden:
         if not isinstance(metrics, dict) or not metrics:
             raise GoldenError(source, f"arms.{arm}", "expected a non-empty mapping of metric -> trajectory")
         parsed[arm] = {m: _parse_trajectory(source, f"arms.{arm}.{m}", t) for m, t in metrics.items()}
-    return Golden(obj["suite"], obj["env_key"], dict(provenance), config, tier, parsed)
+    return Golden(obj["suite"], obj["env_key"], dict(provenance), json.loads(json.dumps(config)), tier, parsed)
 
 
 def load_golden(path: Path) -> Golden:

@@ -200,3 +200,67 @@ def test_golden_update_then_a_drifted_golden_fails_the_run(run_harness, tmp_path
     drifted = check.check(tmp_path / "check", "golden:first:loss")
     assert drifted["status"] == "fail" and drifted["first_divergent_step"] == 2
     assert check.check(tmp_path / "check", "golden:second:loss")["status"] == "pass"
+
+
+def test_golden_of_another_cpu_isa_is_compared_at_the_cross_env_tier(run_harness, tmp_path: Path) -> None:
+    goldens = ("--golden-dir", tmp_path / "golden")
+    common = ("logical-ranks", "--steps", 3, *goldens)
+    native = run_harness("golden", "update", *common, "--cpu-isa", "native", "--out", tmp_path / "native")
+    assert native.returncode == 0, native.stdout + native.stderr
+    [recorded] = (tmp_path / "golden" / "logical-ranks").iterdir()
+    assert recorded.name.startswith("cpu-native-") and recorded.stem != CPU_KEY
+
+    doctor = run_harness("doctor", *goldens)
+    assert f"env key cpu    {CPU_KEY}" in doctor.stdout and "goldens cpu    none in" in doctor.stdout
+
+    out = tmp_path / "pinned"
+    run = run_harness("run", *common, "--golden", "check", "--out", out)
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert f"golden: {recorded} (cross-environment: no golden for {CPU_KEY}), within rtol=0.0001 atol=0" in run.stdout
+    loss = run.check(out, "golden:procs:loss")
+    assert loss["status"] == "pass" and loss["detail"].startswith(f"cross-environment vs {recorded.stem}: 3 steps")
+    arm = json.loads((out / "arms" / "procs" / "arm.json").read_text())
+    assert arm["cpu_capability"] == "avx2"  # the pin reached the ranks
+    assert json.loads((out / "manifest.json").read_text())["cpu_isa"]["env"]["ATEN_CPU_CAPABILITY"] == "avx2"
+
+
+def test_golden_of_another_configuration_is_exit_2_under_check(run_harness, tmp_path: Path) -> None:
+    goldens = ("--golden-dir", tmp_path / "golden")
+    update = run_harness("golden", "update", "determinism", "--ranks", 1, "--steps", 2, *goldens, "--out", tmp_path / "u")
+    assert update.returncode == 0, update.stdout + update.stderr
+    golden = tmp_path / "golden" / "determinism" / f"{CPU_KEY}.json"
+    longer = run_harness("run", "determinism", "--ranks", 1, "--steps", 3, "--golden", "check", *goldens, "--out", tmp_path / "r")
+    assert longer.returncode == 2, longer.stdout + longer.stderr
+    assert longer.stderr == (
+        f"error: {golden}: config: recorded for another configuration:"
+        " steps: golden 2, this run 3 (longer than its golden)\n"
+    )
+    auto = run_harness("run", "determinism", "--ranks", 1, "--steps", 3, *goldens, "--out", tmp_path / "a")
+    assert auto.returncode == 0, auto.stdout + auto.stderr
+    skipped = auto.check(tmp_path / "a", "golden")
+    assert skipped["status"] == "skip" and "steps: golden 2, this run 3" in skipped["detail"]
+    assert "1 skipped" in auto.stdout and f"golden: not compared: {golden} is for another configuration" in auto.stdout
+
+
+@pytest.mark.parametrize(
+    "args,message",
+    [
+        (("--out", "{tmp}/file/run"), "error: --out {tmp}/file/run: cannot create the run directory: Not a directory\n"),
+        (("--timeout", "inf"), "error: --timeout: expected a finite number of seconds > 0, got inf\n"),
+        (("--set", "checks=[]"), "error: --set checks: expected at least one [[checks]] table, got []\n"),
+    ],
+    ids=["unwritable-out", "infinite-timeout", "no-checks"],
+)
+def test_bad_usage_exits_2_with_one_line(run_harness, tmp_path: Path, args: tuple, message: str) -> None:
+    (tmp_path / "file").write_text("")
+    run = run_harness("run", "logical-ranks", *(a.format(tmp=tmp_path) for a in args))
+    assert (run.returncode, run.stderr) == (2, message.format(tmp=tmp_path))
+
+
+def test_timeout_while_ranks_start_says_no_stack_was_dumped(run_harness, tmp_path: Path) -> None:
+    out = tmp_path / "run"
+    run = run_harness("run", "logical-ranks", "--steps", 3, "--timeout", 1, "--out", out)
+    assert run.returncode == 3, run.stdout + run.stderr
+    error = run.summary(out)["launches"][0]["error"]
+    assert "ranks [0, 1]: no stack (still starting up, before the dump handler)" in error
+    assert "stacks dumped" not in error

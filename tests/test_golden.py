@@ -9,14 +9,20 @@ from harness.compare import Close, Exact
 from harness.golden import (
     GoldenError,
     compare_to_golden,
+    comparable_goldens,
+    config_differences,
     diff_summary,
     env_key,
+    golden_checks,
     golden_from_metrics,
     load_golden,
+    plan_golden,
     write_golden,
 )
 
 KEY = "cpu-gloo-float32-torch2.13"
+CONFIG = {"steps": 5, "arms": {"eager": {"ranks": 2, "config": {"chunks": 2}}, "graph": {"ranks": 2, "config": {}}}}
+CROSS_ENV = {"kind": "close", "rtol": 1e-4, "atol": 0.0}
 PROVENANCE = {
     "torch": "2.13.0+cpu", "device": "cpu", "backend": "gloo", "dtype": "float32",
     "harness": "0.1.0", "git_sha": "abc123", "date": "2026-01-01T00:00:00Z",
@@ -32,9 +38,9 @@ def frame(scale=1.0, steps=5):
     )
 
 
-def make(metrics=None, **kw):
+def make(metrics=None, key=KEY, config=CONFIG, **kw):
     metrics = metrics or {"eager": frame(), "graph": frame()}
-    return golden_from_metrics("parity", KEY, PROVENANCE, {"kind": "exact", "metrics": ["loss"]}, metrics, **kw)
+    return golden_from_metrics("parity", key, PROVENANCE, config, {"kind": "exact", "metrics": ["loss"]}, metrics, **kw)
 
 
 @pytest.mark.parametrize(
@@ -96,7 +102,9 @@ def _valid():
 @pytest.mark.parametrize(
     "mutate, field",
     [
-        (lambda d: d.update(schema=2), ": schema: expected 1"),
+        (lambda d: d.update(schema=1), ": schema: expected 2, got 1 (recorded by an older harness"),
+        (lambda d: d.pop("config"), ": config: expected an object with steps and arms"),
+        (lambda d: d["config"].update(steps=0), ": config.steps: expected an integer >= 1, got 0"),
         (lambda d: d.update(env_key="cuda-nccl-float32-torch2.13"), ": env_key: 'cuda-nccl-float32-torch2.13' does not match"),
         (lambda d: d["provenance"].pop("git_sha"), ": provenance.git_sha: expected a string"),
         (lambda d: d.update(tier={"kind": "close", "rtol": 1e-4}), ": tier: close check: missing field 'atol'"),
@@ -157,7 +165,7 @@ def test_compare_to_golden_missing_arm_metric_and_extra_arm():
     results = {r.name: r for r in compare_to_golden(golden, {"eager": frame()[["loss"]], "new": frame()}, Exact())}
     assert results["golden:graph:loss"].status == "fail" and "not in this run" in results["golden:graph:loss"].detail
     assert results["golden:eager:grad_norm"].detail == "metric 'grad_norm' missing from arm 'eager'"
-    assert results["golden:new"].status == "skip"
+    assert results["golden:new"].status == "fail"  # never a silent skip
 
 
 def test_compare_to_golden_run_cut_short_fails():
@@ -177,7 +185,7 @@ def test_diff_summary_reports_new_unchanged_changed_removed():
     changed = frame()
     changed.loc[3, "loss"] += 1e-6
     new = golden_from_metrics(
-        "parity", KEY, {**PROVENANCE, "torch": "2.13.1"}, {"kind": "exact"}, {"eager": changed, "extra": frame()}, ("loss",)
+        "parity", KEY, {**PROVENANCE, "torch": "2.13.1"}, CONFIG, {"kind": "exact"}, {"eager": changed, "extra": frame()}, ("loss",)
     )
     lines = diff_summary(old, new).splitlines()
     assert lines[0] == f"golden parity/{KEY}: update"
@@ -187,3 +195,90 @@ def test_diff_summary_reports_new_unchanged_changed_removed():
     assert "  extra/loss: new (5 steps, 0..4)" in lines
     assert {"  eager/grad_norm: removed", "  graph/loss: removed", "  graph/grad_norm: removed"} <= set(lines)
     assert "  eager/loss: unchanged (5 steps)" in diff_summary(old, make()).splitlines()
+
+
+# --- planning: which golden a run compares with, and how -------------------------------------
+
+NATIVE = "cpu-native-avx512-gloo-float32-torch2.13"
+PINNED = "cpu-pinned-avx2-gloo-float32-torch2.13"
+
+
+def _record(golden_dir, key, config=CONFIG, metrics=None):
+    path = golden_dir / "parity" / f"{key}.json"
+    write_golden(path, make(metrics, key=key, config=config))
+    return path
+
+
+def test_own_golden_is_checked_at_its_own_tier(tmp_path):
+    path = _record(tmp_path, PINNED)
+    plan = plan_golden("parity", CONFIG, PINNED, "auto", tmp_path, CROSS_ENV)
+    assert (plan.mode, plan.path, plan.tier, plan.cross_env) == ("check", path, {"kind": "exact"}, False)
+    assert plan.note == f"golden: {path}, bitwise identical"
+
+
+def test_golden_of_another_environment_is_checked_at_the_cross_env_tier(tmp_path):
+    other = _record(tmp_path, NATIVE)
+    _record(tmp_path, "cuda-h200-nccl-float32-torch2.13")  # another device family: never compared
+    for requested in ("auto", "check"):
+        plan = plan_golden("parity", CONFIG, PINNED, requested, tmp_path, CROSS_ENV)
+        assert plan.mode == "check" and plan.cross_env and plan.tier == CROSS_ENV
+        assert plan.note == f"golden: {other} (cross-environment: no golden for {PINNED}), within rtol=0.0001 atol=0"
+    drifted = frame()
+    drifted.loc[2, "loss"] *= 1 + 1e-6  # kernel-ISA noise: within the tier
+    results = golden_checks(plan, {"eager": drifted, "graph": frame()}, steps=5)
+    assert all(r.status == "pass" for r in results)
+    assert results[0].detail.startswith(f"cross-environment vs {NATIVE}: 5 steps within rtol=0.0001")
+    drifted.loc[3, "loss"] *= 1 + 1e-3  # a real change: caught
+    failed = [r for r in golden_checks(plan, {"eager": drifted, "graph": frame()}, steps=5) if r.status == "fail"]
+    assert [r.name for r in failed] == ["golden:eager:loss"] and failed[0].first_divergent_step == 3
+
+
+def test_comparable_goldens_prefer_same_torch_then_pinned(tmp_path):
+    for key in ("cpu-native-avx2-gloo-float32-torch2.12", NATIVE, "cpu-pinned-avx2-gloo-float32-torch2.12",
+                "cpu-native-avx2-gloo-bfloat16-torch2.13", "cpu-native-avx2-nccl-float32-torch2.13"):  # fmt: skip
+        _record(tmp_path, key)
+    found = [p.stem for p in comparable_goldens(tmp_path / "parity", "cpu-pinned-avx2-gloo-float32-torch2.13")]
+    assert found == [NATIVE, "cpu-pinned-avx2-gloo-float32-torch2.12", "cpu-native-avx2-gloo-float32-torch2.12"]
+
+
+def test_no_golden_is_an_error_under_check_and_a_stated_skip_under_auto(tmp_path):
+    _record(tmp_path, "cpu-native-avx2-gloo-bfloat16-torch2.13")
+    with pytest.raises(GoldenError) as exc:
+        plan_golden("parity", CONFIG, PINNED, "check", tmp_path, CROSS_ENV)
+    assert f"no golden for env key {PINNED}" in str(exc.value) and "harness golden update parity" in str(exc.value)
+    plan = plan_golden("parity", CONFIG, PINNED, "auto", tmp_path, CROSS_ENV)
+    assert plan.mode == "off"
+    assert plan.note == (
+        f"golden: not compared: no golden for env key {PINNED} in {tmp_path / 'parity'}"
+        " (recorded: cpu-native-avx2-gloo-bfloat16-torch2.13; none comparable)"
+    )
+
+
+def test_golden_of_another_configuration_names_the_fields(tmp_path):
+    path = _record(tmp_path, PINNED)
+    other = {"steps": 5, "arms": {"eager": {"ranks": 4, "config": {"chunks": 4}}, "graph": {"ranks": 4, "config": {}}}}
+    with pytest.raises(GoldenError) as exc:
+        plan_golden("parity", other, PINNED, "check", tmp_path, CROSS_ENV)
+    assert str(exc.value) == (
+        f"{path}: config: recorded for another configuration: arms.eager.config.chunks: golden 2, this run 4;"
+        " arms.eager.ranks: golden 2, this run 4; arms.graph.ranks: golden 2, this run 4"
+    )
+    plan = plan_golden("parity", other, PINNED, "auto", tmp_path, CROSS_ENV)
+    assert plan.mode == "off" and "arms.eager.config.chunks: golden 2, this run 4" in plan.note
+
+
+def test_steps_are_part_of_a_goldens_identity(tmp_path):
+    _record(tmp_path, PINNED)
+    longer = {**CONFIG, "steps": 20}
+    with pytest.raises(GoldenError, match=r"steps: golden 5, this run 20 \(longer than its golden\)"):
+        plan_golden("parity", longer, PINNED, "check", tmp_path, CROSS_ENV)
+    shorter = plan_golden("parity", {**CONFIG, "steps": 3}, PINNED, "check", tmp_path, CROSS_ENV)
+    assert shorter.mode == "check" and ", its first 3 of 5 steps," in shorter.note
+    first = frame().loc[:3]  # these frames count steps from 0; a run's from 1
+    results = golden_checks(shorter, {"eager": first, "graph": first}, steps=3)
+    assert all(r.status == "pass" and r.detail.startswith("4 steps") for r in results)
+
+
+def test_config_differences_see_through_tuples_and_name_missing_fields():
+    assert config_differences({"a": {"b": [1, 2]}}, {"a": {"b": (1, 2)}}) == []
+    assert config_differences({"a": {"b": 1}}, {"a": {"c": 1}}) == ["a.b: golden 1, this run unset", "a.c: golden unset, this run 1"]

@@ -110,6 +110,15 @@ def test_verdict_table_puts_failures_first_and_aligns():
     text = format_verdict_table(summary(checks_for(m)))
     lines = text.splitlines()
     assert lines[0] == "parity: FAIL (exit 1) - 4 checks, 2 ranks, 12 steps, 4.2 s"
-    assert [line.split()[0] for line in lines[1:]] == ["ERROR", "FAIL", "FAIL", "SKIP"]
+    assert [line.split()[0] for line in lines[1:-1]] == ["ERROR", "FAIL", "FAIL", "SKIP"]
+    assert lines[-1] == "0 passed, 2 failed, 1 errors, 1 skipped"
     detail_columns = {line.index(check["detail"][:20]) for line, check in zip(lines[1:], [checks_for(m)[i] for i in (2, 0, 1, 3)])}
     assert len(detail_columns) == 1
+
+
+def test_html_plots_take_mathtext_characters_literally(tmp_path):
+    """A "$" in a label once started matplotlib mathtext and broke the report of a passing run."""
+    metrics = {"$a^$": pd.DataFrame({"loss": [1.0, 0.5]}, index=pd.Index([1, 2], name="step")),
+               "b": pd.DataFrame({"loss": [1.0, 0.25]}, index=pd.Index([1, 2], name="step"))}  # fmt: skip
+    write_html(tmp_path / "report.html", {"suite": "s", "verdict": "pass", "checks": []}, metrics)
+    assert "$a^$" in (tmp_path / "report.html").read_text()

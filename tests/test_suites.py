@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from harness.launch import plan_launches
-from harness.run import Progress
+from harness.progress import Progress
 from harness.suites import SuiteError, list_suites, load_suite
 
 GOOD = """
@@ -96,7 +96,12 @@ def test_bare_train_field_override_applies_to_every_arm(tmp_path: Path) -> None:
         (GOOD.replace('chunking = "eager"', 'chunking = "graphs"'), "FILE: arms.eager.chunking: chunking must be one of"),
         (GOOD.replace("lr = 0.001", 'routing = "random"'), "FILE: train.routing: routing must be one of"),
         (GOOD.replace('[train]', '[model]\nconfig = "huge"\n[train]'), 'FILE: model.config: expected one of cpu-tiny, debugmodel, got "huge"'),
-        (GOOD + "[debug]\nfail_mode = \"explode\"\n", 'FILE: debug.fail_mode: expected one of raise, hang, exit, got "explode"'),
+        (GOOD + "[debug]\nfail_mode = \"explode\"\n", 'FILE: debug.fail_mode: expected one of raise, hang, exit, kill, stop, got "explode"'),
+        (GOOD.replace("[arms.plain]", '[arms."../../../x"]'), 'FILE: arms.../../../x: expected a name of lowercase letters, digits'),
+        (GOOD.replace("[arms.plain]", '[arms."$x^2$"]'), 'FILE: arms.$x^2$: expected a name of lowercase letters, digits'),
+        (GOOD + 'name = "a/b $x$"\n', 'FILE: checks.0.name: expected a name of letters, digits, spaces and _ . , : ( ) + -'),
+        (GOOD.split("[[checks]]")[0], "FILE: checks: expected at least one [[checks]] table, got []"),
+        (GOOD + '[golden]\ncross_env = { kind = "exact" }\n', 'FILE: golden.cross_env: expected a tier table that is not exact'),
         (GOOD + "[debug]\nfail_rank = 2\n", "FILE: debug.fail_rank: expected int in 0-1, got 2"),
         (GOOD.replace('name = "mini"', ""), "FILE: name: missing"),
         ("name = ", "FILE: invalid TOML"),
@@ -156,12 +161,3 @@ def test_progress_follows_metrics_as_they_are_written(tmp_path: Path, tty: bool)
         assert text == "\r\x1b[K[arm a] step 1/2 loss=1.5 grad_norm=0.5\r\x1b[K[arm a] step 2/2 loss=1.25 grad_norm=0.25\n"
     else:
         assert text.splitlines() == ["[arm a] step 1/2 loss=1.5 grad_norm=0.5", "[arm a] step 2/2 loss=1.25 grad_norm=0.25"]
-
-
-def test_a_traced_arm_without_recorded_graph_checks_fails() -> None:
-    from harness.run import graph_results
-
-    [missing] = graph_results("graph", [])
-    assert missing.status == "fail" and "no static graph checks" in missing.detail
-    recorded = graph_results("graph", [{"name": "graph:chunk-order", "status": "fail", "detail": "d", "problems": ["p"]}])
-    assert [(r.name, r.status) for r in recorded] == [("graph: graph:chunk-order", "fail")]

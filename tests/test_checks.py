@@ -1,0 +1,61 @@
+"""The check glue on records that are missing or partial: nothing passes on absent data."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from harness.checks import run_check
+from harness.records import ArmRecords
+from harness.suites import load_suite
+
+SUITE = """
+name = "mini"
+description = "two arms"
+ranks = 2
+steps = 3
+[arms.eager]
+chunking = "eager"
+chunks = 2
+[arms.graph]
+chunking = "graph"
+chunks = 2
+routing = "forced-balanced"
+[[checks]]
+kind = "token-exchange-invariants"
+[[checks]]
+kind = "graph-invariants"
+"""
+
+
+def _suite(tmp_path: Path):
+    path = tmp_path / "suite.toml"
+    path.write_text(SUITE)
+    return load_suite(str(path))
+
+
+def test_token_exchange_fails_an_arm_without_recorded_moe_layers(tmp_path: Path) -> None:
+    """An arm.json without moe_layers once meant "nothing to check", and passed on empty event logs."""
+    suite = _suite(tmp_path)
+    records = {arm: ArmRecords(events={0: [], 1: []}) for arm in suite.arms}
+    results = run_check(suite.checks[0], suite, records)
+    assert [(r.name, r.status) for r in results] == [("eager: token-exchange", "fail"), ("graph: token-exchange", "fail")]
+    assert results[0].detail == "arm 'eager' has no arm.json with its MoE layers: no exchange to check"
+    records["eager"].moe_layers = [1, 2]
+    eager = run_check(suite.checks[0], suite, records)[:4]
+    assert {r.status for r in eager} == {"fail"} and "no token-exchange events recorded" in eager[0].detail
+
+
+def test_a_traced_arm_without_recorded_graph_checks_fails(tmp_path: Path) -> None:
+    suite = _suite(tmp_path)
+    [missing] = run_check(suite.checks[1], suite, {arm: ArmRecords() for arm in suite.arms})
+    assert missing.status == "fail" and "no static graph checks" in missing.detail
+    recorded = ArmRecords(graph_checks=[{"name": "graph:chunk-order", "status": "fail", "detail": "d", "problems": ["p"]}])
+    results = run_check(suite.checks[1], suite, {"eager": ArmRecords(), "graph": recorded})
+    assert [(r.name, r.status) for r in results] == [("graph: graph:chunk-order", "fail")]
+
+
+def test_unreadable_records_are_an_error_not_a_skip(tmp_path: Path) -> None:
+    suite = _suite(tmp_path)
+    records = {arm: ArmRecords(error=f"unreadable records of arm '{arm}': bad line") for arm in suite.arms}
+    [result] = run_check(suite.checks[0], suite, records)
+    assert result.status == "error" and "bad line" in result.detail
