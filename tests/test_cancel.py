@@ -20,13 +20,19 @@ def _wait_for(path: Path, proc: subprocess.Popen, timeout_s: float = 120) -> Non
         time.sleep(0.05)
 
 
+def _training(start_harness, out: Path) -> subprocess.Popen:
+    """A long run, returned once its ranks have recorded a step."""
+    proc = start_harness("run", "logical-ranks", "--steps", 50, "--out", out)
+    _wait_for(out / "arms" / "procs" / "metrics.jsonl", proc)
+    return proc
+
+
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
 def test_signal_cancels_with_128_plus_n_and_writes_every_output(
     start_harness, processes_mentioning, tmp_path: Path, sig: signal.Signals
 ) -> None:
     out = tmp_path / "run"
-    proc = start_harness("run", "logical-ranks", "--steps", 50, "--out", out)
-    _wait_for(out / "arms" / "procs" / "metrics.jsonl", proc)  # the ranks are training
+    proc = _training(start_harness, out)
     proc.send_signal(sig)
     stdout, stderr = proc.communicate(timeout=60)
     assert proc.returncode == 128 + sig, stdout + stderr
@@ -43,8 +49,7 @@ def test_signal_cancels_with_128_plus_n_and_writes_every_output(
 
 def test_second_sigint_while_the_outputs_are_written_aborts_with_130(start_harness, processes_mentioning, tmp_path: Path) -> None:
     out = tmp_path / "run"
-    proc = start_harness("run", "logical-ranks", "--steps", 50, "--out", out)
-    _wait_for(out / "arms" / "procs" / "metrics.jsonl", proc)
+    proc = _training(start_harness, out)
     proc.send_signal(signal.SIGINT)
     _wait_for(out / "summary.json", proc, timeout_s=60)  # written first, before junit.xml and the report
     proc.send_signal(signal.SIGINT)
@@ -57,8 +62,7 @@ def test_second_sigint_while_the_outputs_are_written_aborts_with_130(start_harne
 
 def test_second_sigint_during_the_launch_aborts_at_once(start_harness, processes_mentioning, tmp_path: Path) -> None:
     out = tmp_path / "run"
-    proc = start_harness("run", "logical-ranks", "--steps", 50, "--out", out)
-    _wait_for(out / "arms" / "procs" / "metrics.jsonl", proc)
+    proc = _training(start_harness, out)
     proc.send_signal(signal.SIGINT)
     proc.send_signal(signal.SIGINT)
     stdout, stderr = proc.communicate(timeout=30)
