@@ -29,9 +29,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=5, help="steps per measurement")
     parser.add_argument("--chunks", type=int, default=2)
     args = parser.parse_args()
-    trainers = {
-        name: Trainer(TrainConfig(ep=2, chunking=name, chunks=args.chunks)) for name in ("eager", "graph")
-    }
+    trainers = {name: Trainer(TrainConfig(ep=2, chunking=name, chunks=args.chunks)) for name in ("eager", "graph")}
     counters = {name: itertools.count() for name in trainers}
     for name in trainers:  # warm-up outside the measurement
         timed_steps(trainers[name], counters[name], 2)

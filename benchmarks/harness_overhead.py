@@ -79,7 +79,10 @@ def main() -> None:
     result = paired_ratio(order, values)
     for arm, label in (("A", "bare torchrun"), ("B", "harness run")):
         times = [v for a, v in zip(order, values) if a == arm]
-        print(f"{label:<14} median {statistics.median(times):6.2f} s over {len(times)} runs ({args.ranks} ranks, {args.steps} steps)")
+        print(
+            f"{label:<14} median {statistics.median(times):6.2f} s over {len(times)} runs"
+            f" ({args.ranks} ranks, {args.steps} steps)"
+        )
     print(result.summary("bare torchrun", "harness run"))
 
 

@@ -124,8 +124,10 @@ def deviation(strict: list[float], stale: list[float]) -> tuple[float, float, fl
 
 def band(steps: int, seeds: list[int]) -> None:
     print(f"\nband: {BAND_BASE}, {steps} updates, strict = delay 0, stale = delay 2 (max staleness 2)")
-    print(f"{'correction':<15} {'seed':>4}  {'loss max rel':>12} {'final rel':>10} {'corr':>7}  "
-          f"{'gnorm max rel':>13} {'final rel':>10} {'corr':>7}  {'mean w':>7}")
+    print(
+        f"{'correction':<15} {'seed':>4}  {'loss max rel':>12} {'final rel':>10} {'corr':>7}  "
+        f"{'gnorm max rel':>13} {'final rel':>10} {'corr':>7}  {'mean w':>7}"
+    )
     worst = {"loss": 0.0, "grad_norm": 0.0}
     for correction in ("off", "when_available", "always"):
         for seed in seeds:
@@ -136,8 +138,10 @@ def band(steps: int, seeds: list[int]) -> None:
             worst["grad_norm"] = max(worst["grad_norm"], gnorm[0])
             weights = [w for w in stale[2] if w is not None]
             mean_w = f"{statistics.fmean(weights):.4f}" if weights else "-"
-            print(f"{correction:<15} {seed:>4}  {loss[0]:>12.2e} {loss[1]:>10.2e} {loss[2]:>7.4f}  "
-                  f"{gnorm[0]:>13.2e} {gnorm[1]:>10.2e} {gnorm[2]:>7.4f}  {mean_w:>7}")
+            print(
+                f"{correction:<15} {seed:>4}  {loss[0]:>12.2e} {loss[1]:>10.2e} {loss[2]:>7.4f}  "
+                f"{gnorm[0]:>13.2e} {gnorm[1]:>10.2e} {gnorm[2]:>7.4f}  {mean_w:>7}"
+            )
     print(f"worst max rel deviation: loss {worst['loss']:.3e}, grad_norm {worst['grad_norm']:.3e}")
 
 

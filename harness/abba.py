@@ -60,7 +60,11 @@ def paired_ratio(order: Sequence[str], values: Sequence[float], confidence: floa
         log_ratios.append(math.log(mean_b / mean_a))
     mean = statistics.fmean(log_ratios)
     if len(log_ratios) > 1:
-        half = stats.t.ppf(0.5 + confidence / 2, len(log_ratios) - 1) * statistics.stdev(log_ratios) / math.sqrt(len(log_ratios))
+        half = (
+            stats.t.ppf(0.5 + confidence / 2, len(log_ratios) - 1)
+            * statistics.stdev(log_ratios)
+            / math.sqrt(len(log_ratios))
+        )
     else:
         half = math.inf
     per_arm = [[v for arm, v in zip(order, values) if arm == name] for name in ("A", "B")]

@@ -55,7 +55,9 @@ def run_check(check: CheckSpec, suite: SuiteSpec, records: dict[str, ArmRecords]
 def _same_events(name: str, a: ArmRecords, b: ArmRecords, label_a: str, label_b: str) -> CheckResult:
     """check_same_event_sequence on every logical rank; the first rank that differs is reported."""
     results = {
-        rank: check_same_event_sequence(a.events.get(rank, []), b.events.get(rank, []), label_a=label_a, label_b=label_b)
+        rank: check_same_event_sequence(
+            a.events.get(rank, []), b.events.get(rank, []), label_a=label_a, label_b=label_b
+        )
         for rank in sorted(a.events.keys() | b.events.keys())
     }
     bad = next((r for r in results.values() if r.status != "pass"), None)
@@ -63,7 +65,9 @@ def _same_events(name: str, a: ArmRecords, b: ArmRecords, label_a: str, label_b:
         rank = next(k for k, v in results.items() if v is bad)
         return dataclasses.replace(bad, name=name, detail=f"logical rank {rank}: {bad.detail}")
     total = sum(len(events) for events in a.events.values())
-    return CheckResult(name, "same-event-sequence", "pass", f"{total} events identical on all {len(results)} logical ranks")
+    return CheckResult(
+        name, "same-event-sequence", "pass", f"{total} events identical on all {len(results)} logical ranks"
+    )
 
 
 def _exchange_results(arm: str, spec: ArmSpec, records: ArmRecords) -> list[CheckResult]:

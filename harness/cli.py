@@ -26,41 +26,79 @@ from harness.suites import SuiteError, list_suites, load_suite
 def _add_run_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("suite", metavar="SUITE", help="a suite name under suites/, or a path to a suite file")
     # --ranks and --steps go through the suite validator (as "--set ranks=N"), so their errors read alike.
-    parser.add_argument("--ranks", metavar="N", help="processes of the suite's multi-process arms, and the EP degree (1-8)")
+    parser.add_argument(
+        "--ranks", metavar="N", help="processes of the suite's multi-process arms, and the EP degree (1-8)"
+    )
     parser.add_argument("--steps", metavar="N", help="training steps per arm")
-    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="cpu: gloo; cuda: nccl, one GPU per rank")
-    parser.add_argument("--out", type=Path, metavar="DIR", help="run directory (default reports/<suite>/<UTC timestamp>)")
-    parser.add_argument("--timeout", type=float, default=600.0, metavar="S", help="wall-clock limit for all launches (default 600)")
-    parser.add_argument("--golden-dir", type=Path, default=GOLDEN_DIR, metavar="DIR", help="golden root (default: the repository's golden/)")
+    parser.add_argument(
+        "--device", choices=("cpu", "cuda"), default="cpu", help="cpu: gloo; cuda: nccl, one GPU per rank"
+    )
+    parser.add_argument(
+        "--out", type=Path, metavar="DIR", help="run directory (default reports/<suite>/<UTC timestamp>)"
+    )
+    parser.add_argument(
+        "--timeout", type=float, default=600.0, metavar="S", help="wall-clock limit for all launches (default 600)"
+    )
+    parser.add_argument(
+        "--golden-dir",
+        type=Path,
+        default=GOLDEN_DIR,
+        metavar="DIR",
+        help="golden root (default: the repository's golden/)",
+    )
     parser.add_argument(
         "--cpu-isa", choices=CPU_ISAS, default="avx2",
-        help="CPU kernels: avx2 (default) pins them so goldens check bitwise on any x86-64 with AVX2; native: full speed",
+        help="CPU kernels: avx2 (default) pins them, so goldens check bitwise on any x86-64 with AVX2;"
+        " native: full speed",
     )  # fmt: skip
     parser.add_argument(
-        "--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
         help="override a suite field, e.g. steps=5, arms.eager.lr=0.01, train.seed=1, chunks=4 (all arms)",
     )
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="harness", description="Verify distributed LLM training changes with paired runs.")
+    parser = argparse.ArgumentParser(
+        prog="harness", description="Verify distributed LLM training changes with paired runs."
+    )
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     commands.add_parser("list", help="list the suites")
     run = commands.add_parser("run", help="run a suite and compare its arms")
     _add_run_arguments(run)
-    run.add_argument("--golden", choices=GOLDEN_MODES, default="auto", help="auto (default): check when a golden exists for this environment")
+    run.add_argument(
+        "--golden",
+        choices=GOLDEN_MODES,
+        default="auto",
+        help="auto (default): check when a golden exists for this environment",
+    )
     golden = commands.add_parser("golden", help="manage golden trajectories")
     golden_commands = golden.add_subparsers(dest="golden_command", required=True, metavar="ACTION")
-    _add_run_arguments(golden_commands.add_parser("update", help="run a suite and record its golden for this environment"))
+    _add_run_arguments(
+        golden_commands.add_parser("update", help="run a suite and record its golden for this environment")
+    )
     report = commands.add_parser("report", help="re-render report.html and junit.xml of a run directory")
     report.add_argument("run_dir", type=Path, metavar="RUN_DIR")
-    doctor = commands.add_parser("doctor", help="print versions, devices, backends, the env key runs use and its goldens")
-    doctor.add_argument("--golden-dir", type=Path, default=GOLDEN_DIR, metavar="DIR", help="golden root (default: the repository's golden/)")
+    doctor = commands.add_parser(
+        "doctor", help="print versions, devices, backends, the env key runs use and its goldens"
+    )
+    doctor.add_argument(
+        "--golden-dir",
+        type=Path,
+        default=GOLDEN_DIR,
+        metavar="DIR",
+        help="golden root (default: the repository's golden/)",
+    )
     return parser
 
 
 def _overrides(args: argparse.Namespace) -> list[tuple[str, str]]:
-    flags = [(f"--{name}", f"{name}={getattr(args, name)}") for name in ("ranks", "steps") if getattr(args, name) is not None]
+    flags = [
+        (f"--{name}", f"{name}={getattr(args, name)}") for name in ("ranks", "steps") if getattr(args, name) is not None
+    ]
     return flags + [("--set", item) for item in args.overrides]
 
 

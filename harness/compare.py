@@ -295,7 +295,9 @@ def _pair(values: dict[str, float]) -> str:
     return " ".join(f"{label}={v!r}" for label, v in values.items())
 
 
-def compare_series(name: str, a: pd.Series, b: pd.Series, tier: Tier, *, label_a: str = "a", label_b: str = "b") -> CheckResult:
+def compare_series(
+    name: str, a: pd.Series, b: pd.Series, tier: Tier, *, label_a: str = "a", label_b: str = "b"
+) -> CheckResult:
     """Compares two step-indexed trajectories under a tier; b is the reference for relative diffs.
 
     Non-finite values and differing step sets fail before the tier is consulted: a metric that

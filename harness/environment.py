@@ -108,7 +108,7 @@ def versions() -> dict[str, str]:
 
 
 def device_class(device: str, pin: CpuPin | None = None) -> str:
-    """"cpu-pinned-avx2", "cpu-native-avx512", or "cuda-<gpu model>" such as "cuda-h200"."""
+    """ "cpu-pinned-avx2", "cpu-native-avx512", or "cuda-<gpu model>" such as "cuda-h200"."""
     if device == "cuda":
         return "cuda-" + torch.cuda.get_device_name(0).lower().removeprefix("nvidia ").split()[0]
     return (pin or cpu_pin()).device_class
@@ -130,12 +130,13 @@ def describe_environment(golden_dir: Path) -> dict[str, Any]:
     pin = cpu_pin()
     key = run_env_key("cpu", "float32", pin)
     recorded = sorted(p.parent.name for p in golden_dir.glob(f"*/{key}.json"))
+    pinned = " ".join(f"{name}={value}" for name, value in pin.env.items())
     info: dict[str, Any] = {
         **versions(),
         "platform": platform.platform(),
         "executable": sys.executable,
         "cpus": len(os.sched_getaffinity(0)),
-        "cpu isa": f"{pin.capability} ({'pinned: ' + ' '.join(f'{k}={v}' for k, v in pin.env.items()) if pin.pinned else 'native'})",
+        "cpu isa": f"{pin.capability} ({'pinned: ' + pinned if pin.pinned else 'native'})",
         "cuda": torch.version.cuda if cuda else None,
         "gpus": [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())] if cuda else [],
         "backends": {
@@ -147,7 +148,9 @@ def describe_environment(golden_dir: Path) -> dict[str, Any]:
             )
         },
         "env key cpu": key,
-        "goldens cpu": f"{len(recorded)} in {golden_dir}: {', '.join(recorded)}" if recorded else f"none in {golden_dir}",
+        "goldens cpu": f"{len(recorded)} in {golden_dir}: {', '.join(recorded)}"
+        if recorded
+        else f"none in {golden_dir}",
     }
     if pin.note:
         info["cpu isa note"] = pin.note

@@ -73,7 +73,8 @@ def _slug(what: str, value: str) -> str:
 
 
 def env_key(device: str, backend: str, dtype: str, torch_version: str) -> str:
-    """Names the environment a golden is valid for: "cpu-avx512-gloo-float32-torch2.13", "cuda-h200-nccl-bfloat16-torch2.13".
+    """Names the environment a golden is valid for: "cpu-pinned-avx2-gloo-float32-torch2.13",
+    "cuda-h200-nccl-bfloat16-torch2.13".
 
     device is the device class ("cpu-avx512", or a GPU class such as "cuda-h200"); only torch's
     major.minor counts, since patch releases rarely move numerics and would churn goldens.
@@ -115,7 +116,10 @@ def _parse_trajectory(source: Any, field: str, obj: Any) -> pd.Series:
         parsed[int(key)] = math.nan if value == "nan" else float(value)
     if (obj["start_step"], obj["end_step"]) != (min(parsed), max(parsed)):
         raise GoldenError(
-            source, field, f"start_step/end_step {obj['start_step']}/{obj['end_step']} do not match the steps {min(parsed)}..{max(parsed)}"
+            source,
+            field,
+            f"start_step/end_step {obj['start_step']}/{obj['end_step']}"
+            f" do not match the steps {min(parsed)}..{max(parsed)}",
         )
     series = pd.Series(parsed, dtype="float64").sort_index()
     series.index.name = "step"
@@ -147,7 +151,7 @@ def _parse(obj: Any, source: Any) -> Golden:
     if isinstance(config["steps"], bool) or not isinstance(config["steps"], int) or config["steps"] < 1:
         raise GoldenError(source, "config.steps", f"expected an integer >= 1, got {config['steps']!r}")
     if not isinstance(obj.get("tier"), dict):
-        raise GoldenError(source, "tier", "expected an object such as {\"kind\": \"exact\"}")
+        raise GoldenError(source, "tier", 'expected an object such as {"kind": "exact"}')
     try:
         tier = tier_from_spec(obj["tier"]).spec()
     except ValueError as e:
@@ -224,11 +228,15 @@ def compare_to_golden(golden: Golden, metrics: dict[str, pd.DataFrame], tier: Ti
         for metric, expected in trajectories.items():
             name = f"golden:{arm}:{metric}"
             if arm not in metrics:
-                results.append(CheckResult(name, tier.kind, "fail", f"arm '{arm}' is in the golden but not in this run"))
+                results.append(
+                    CheckResult(name, tier.kind, "fail", f"arm '{arm}' is in the golden but not in this run")
+                )
                 continue
             results.append(compare_arms(name, metrics[arm], expected.to_frame(metric), metric, tier, arm, "golden"))
     for arm in sorted(metrics.keys() - golden.arms.keys()):
-        results.append(CheckResult(f"golden:{arm}", tier.kind, "fail", f"no golden for arm '{arm}' in {golden.env_key}"))
+        results.append(
+            CheckResult(f"golden:{arm}", tier.kind, "fail", f"no golden for arm '{arm}' in {golden.env_key}")
+        )
     return results
 
 
@@ -277,7 +285,9 @@ def config_differences(golden: dict, run: dict) -> list[str]:
 
     def flat(obj: Any, prefix: str) -> dict[str, Any]:
         if isinstance(obj, dict) and obj:
-            return {k: v for key, value in obj.items() for k, v in flat(value, f"{prefix}.{key}" if prefix else key).items()}
+            return {
+                k: v for key, value in obj.items() for k, v in flat(value, f"{prefix}.{key}" if prefix else key).items()
+            }
         return {prefix: obj}
 
     def show(value: Any) -> str:
@@ -362,7 +372,9 @@ def plan_golden(
     if differences:
         if requested == "check":
             raise GoldenError(source, "config", f"recorded for another configuration: {'; '.join(differences)}")
-        return GoldenPlan("off", path, note=f"golden: not compared: {source} is for another configuration: {'; '.join(differences)}")
+        return GoldenPlan(
+            "off", path, note=f"golden: not compared: {source} is for another configuration: {'; '.join(differences)}"
+        )
     tier = golden.tier if source == path else tier_from_spec(cross_env_tier).spec()
     how = tier_from_spec(tier).describe()
     where = f"{source}" if source == path else f"{source} (cross-environment: no golden for {key})"

@@ -69,7 +69,9 @@ def _malformed(events: list[Event]) -> str | None:
     return None
 
 
-def _result(name: str, problems: list[Problem], passed: str, kind: str = KIND, extra: dict | None = None) -> CheckResult:
+def _result(
+    name: str, problems: list[Problem], passed: str, kind: str = KIND, extra: dict | None = None
+) -> CheckResult:
     if not problems:
         return CheckResult(name, kind, "pass", passed, extra=extra or {})
     step, message = problems[0]
@@ -113,10 +115,15 @@ def check_buffer_reuse(events: list[Event]) -> CheckResult:
         if e["op"] == "launch":
             if in_flight[slot]:
                 j = in_flight[slot][0]
-                problems.append((e["step"], (
-                    f"{e['kind']} buffer set {e['buffer_set']} reused at {_where(e)} (event {i})"
-                    f" while {_where(events[j])} is in flight (launched at event {j}, not yet waited)"
-                )))
+                problems.append(
+                    (
+                        e["step"],
+                        (
+                            f"{e['kind']} buffer set {e['buffer_set']} reused at {_where(e)} (event {i})"
+                            f" while {_where(events[j])} is in flight (launched at event {j}, not yet waited)"
+                        ),
+                    )
+                )
             in_flight[slot].append(i)
         else:
             match = [j for j in in_flight[slot] if _exchange(events[j]) == _exchange(e)]
@@ -178,7 +185,13 @@ def check_planned_counts(events: list[Event], *, plan: Plan, moe_layers: list[in
     if reason := _malformed(events):
         return _error(COUNTS, reason)
     expected = Counter(
-        {(s, p, layer, c, k): n for (s, p), n in plan.items() for layer in moe_layers for c in range(chunks) for k in KINDS}
+        {
+            (s, p, layer, c, k): n
+            for (s, p), n in plan.items()
+            for layer in moe_layers
+            for c in range(chunks)
+            for k in KINDS
+        }
     )
     actual = Counter((e["step"], e["phase"], e["layer"], e["chunk"], e["kind"]) for e in events if e["op"] == "launch")
     places = sorted({key[:4] for key in expected | actual}, key=lambda k: (k[0], PHASES.index(k[1]), k[2], k[3]))
@@ -190,7 +203,9 @@ def check_planned_counts(events: list[Event], *, plan: Plan, moe_layers: list[in
             state = "missing" if not any(got) else "unexpected" if not any(want) else "wrong count"
             counts = ", ".join(f"{k} {g} (expected {w})" for k, g, w in zip(KINDS, got, want))
             problems.append((s, f"step {s} {p} layer {layer} chunk {c}: {state}: {counts} launches"))
-    per_phase = ", ".join(f"{p} {sum(n for (_, q), n in plan.items() if q == p)}" for p in PHASES if any(q == p for _, q in plan))
+    per_phase = ", ".join(
+        f"{p} {sum(n for (_, q), n in plan.items() if q == p)}" for p in PHASES if any(q == p for _, q in plan)
+    )
     passed = (
         f"{sum(actual.values())} launches = {sum(plan.values())} exchanges ({per_phase}) x"
         f" {len(moe_layers)} MoE layers x {chunks} chunks x dispatch+combine"
@@ -215,14 +230,23 @@ def check_chunk_signatures(events: list[Event]) -> CheckResult:
             k = next((k for k, (x, y) in enumerate(zip(sig, ref)) if x != y), min(len(sig), len(ref)))
             mine = " ".join(map(str, sig[k])) if k < len(sig) else "nothing"
             theirs = " ".join(map(str, ref[k])) if k < len(ref) else "nothing"
-            problems.append((s, (
-                f"step {s} {p} layer {layer}: chunk {chunk} differs from chunk {ref_chunk} at its"
-                f" exchange event {k}: {mine} vs {theirs} (kind op rows)"
-            )))
-    return _result(CHUNK_SIGNATURES, problems, f"{len(groups)} (step, phase, layer) groups, chunks exchange identically")
+            problems.append(
+                (
+                    s,
+                    (
+                        f"step {s} {p} layer {layer}: chunk {chunk} differs from chunk {ref_chunk} at its"
+                        f" exchange event {k}: {mine} vs {theirs} (kind op rows)"
+                    ),
+                )
+            )
+    return _result(
+        CHUNK_SIGNATURES, problems, f"{len(groups)} (step, phase, layer) groups, chunks exchange identically"
+    )
 
 
-def check_same_event_sequence(events_a: list[Event], events_b: list[Event], *, label_a: str, label_b: str) -> CheckResult:
+def check_same_event_sequence(
+    events_a: list[Event], events_b: list[Event], *, label_a: str, label_b: str
+) -> CheckResult:
     """Two arms (eager vs graph chunking) issue identical exchanges in identical order; seq may be offset."""
     for label, events in ((label_a, events_a), (label_b, events_b)):
         if reason := _malformed(events):
@@ -244,7 +268,9 @@ def check_same_event_sequence(events_a: list[Event], events_b: list[Event], *, l
             f" first extra in '{longer}' at event {n}: {_describe(seq[n])}"
         )
         return CheckResult(SAME_SEQUENCE, SAME_SEQUENCE, "fail", detail, seq[n]["step"], extra={"index": n})
-    return CheckResult(SAME_SEQUENCE, SAME_SEQUENCE, "pass", f"{len(seq_a)} events identical in arms '{label_a}' and '{label_b}'")
+    return CheckResult(
+        SAME_SEQUENCE, SAME_SEQUENCE, "pass", f"{len(seq_a)} events identical in arms '{label_a}' and '{label_b}'"
+    )
 
 
 def _merge(name: str, per_rank: dict[int, CheckResult]) -> CheckResult:
@@ -257,7 +283,15 @@ def _merge(name: str, per_rank: dict[int, CheckResult]) -> CheckResult:
             first = per_rank[bad[0]]
             others = f"; ranks {bad[1:]} also {status}" if len(bad) > 1 else ""
             extra = {**first.extra, "failing_ranks": bad}
-            return CheckResult(name, KIND, status, f"rank {bad[0]}: {first.detail}{others}", first.first_divergent_step, first.values, extra=extra)
+            return CheckResult(
+                name,
+                KIND,
+                status,
+                f"rank {bad[0]}: {first.detail}{others}",
+                first.first_divergent_step,
+                first.values,
+                extra=extra,
+            )
     first_rank = min(per_rank)
     return CheckResult(name, KIND, "pass", f"all {len(per_rank)} ranks: {per_rank[first_rank].detail}")
 
@@ -338,11 +372,15 @@ def check_exactly_once(updates: list[Update], batches: Iterable[int]) -> CheckRe
     for batch in sorted(applied_at.keys() | set(expected)):
         steps = applied_at.get(batch, [])
         if batch not in expected:
-            problems.append((steps[0], f"batch {batch} applied at step {format_steps(steps)} but is not a batch of this run"))
+            problems.append(
+                (steps[0], f"batch {batch} applied at step {format_steps(steps)} but is not a batch of this run")
+            )
         elif not steps:
             problems.append((None, f"batch {batch} never applied"))
         elif len(steps) > 1:
-            problems.append((steps[1], f"batch {batch} applied {len(steps)} times, at steps {', '.join(map(str, steps))}"))
+            problems.append(
+                (steps[1], f"batch {batch} applied {len(steps)} times, at steps {', '.join(map(str, steps))}")
+            )
     passed = f"{len(expected)} batches ({format_steps(expected)}) each applied exactly once over {len(updates)} updates"
     return _result(EXACTLY_ONCE, problems, passed, kind=EXACTLY_ONCE)
 
@@ -371,7 +409,9 @@ def check_staleness_ages(updates: list[Update], delay: int) -> CheckResult:
             fill = f" (update {i + 1} of the pipeline fill)" if i < delay else ""
             problems.append((u["step"], f"step {u['step']}: ages {u['ages']}, expected {want}{fill} at delay {delay}"))
     seen = _ages_seen(ordered)
-    shown = ", ".join(f"{age} at step{'s' if len(steps) > 1 else ''} {format_steps(steps)}" for age, steps in seen.items())
+    shown = ", ".join(
+        f"{age} at step{'s' if len(steps) > 1 else ''} {format_steps(steps)}" for age, steps in seen.items()
+    )
     fill = f"; steps {format_steps([u['step'] for u in ordered[:delay]])} fill the pipeline" if delay else ""
     passed = f"ages seen: {shown} (delay {delay}{fill})"
     return _result(STALENESS_AGES, problems, passed, kind=STALENESS_AGES, extra={"ages_seen": seen})
@@ -403,13 +443,16 @@ def check_correction_stats(
         raise ValueError("check_correction_stats: correction is off, there is nothing to check")
     ordered = sorted(updates, key=lambda u: u["step"])
     per_step = [
-        {"step": u["step"], "mean": u.get("correction_mean"), "clipped_frac": u.get("correction_clipped_frac")} for u in ordered
+        {"step": u["step"], "mean": u.get("correction_mean"), "clipped_frac": u.get("correction_clipped_frac")}
+        for u in ordered
     ]
     problems: list[Problem] = []
     for row in per_step:
         if row["mean"] is None and row["clipped_frac"] is None:
             if correction == "always":
-                problems.append((row["step"], f"step {row['step']}: no correction statistics under correction = \"always\""))
+                problems.append(
+                    (row["step"], f'step {row["step"]}: no correction statistics under correction = "always"')
+                )
             continue
         for key, hi in (("mean", clip), ("clipped_frac", 1.0)):
             if problem := _stat_problem(row[key], 0.0, hi):
@@ -423,7 +466,12 @@ def check_correction_stats(
             problems.append((None, f"no stale update among {len(per_step)} at delay {delay}: nothing was corrected"))
         elif all(row["mean"] == 1.0 for row in stale):
             steps = format_steps([row["step"] for row in stale])
-            problems.append((stale[0]["step"], f"mean weight exactly 1 at every stale step ({steps}): the correction was not applied"))
+            problems.append(
+                (
+                    stale[0]["step"],
+                    f"mean weight exactly 1 at every stale step ({steps}): the correction was not applied",
+                )
+            )
     if problems:
         return _result(CORRECTION_STATS, problems, "", kind=CORRECTION_STATS, extra={"per_step": per_step})
     absent = [row["step"] for row in per_step if row["mean"] is None]

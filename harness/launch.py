@@ -345,8 +345,12 @@ def _explain(
     group = result.group
     if result.timed_out:
         dumped = f"ranks {watchdog.dumped}: Python stacks dumped to {group.log('<k>')}" if watchdog.dumped else ""
-        silent = f"ranks {watchdog.silent}: no stack (still starting up, before the dump handler)" if watchdog.silent else ""
-        text = f"group '{group.name}' timed out after --timeout {timeout_s:g}s; " + "; ".join(filter(None, [dumped, silent]))
+        silent = (
+            f"ranks {watchdog.silent}: no stack (still starting up, before the dump handler)" if watchdog.silent else ""
+        )
+        text = f"group '{group.name}' timed out after --timeout {timeout_s:g}s; " + "; ".join(
+            filter(None, [dumped, silent])
+        )
         return text, text + "; the ranks were killed"
     root = result.root
     if root is not None:
@@ -382,7 +386,9 @@ def _describe_failures(
         stack = failure.error_file_data.get("message", {})
         traceback = stack.get("extraInfo", {}).get("py_callstack") if isinstance(stack, dict) else None
         message = traceback or _tail(run_dir / group.log(rank)) or _ending(failure.exitcode)
-        described.append(RankFailure(rank, failure.exitcode, message, group.log(rank), traceback, died_at.get(failure.pid)))
+        described.append(
+            RankFailure(rank, failure.exitcode, message, group.log(rank), traceback, died_at.get(failure.pid))
+        )
     if described:
         _pick_root_cause(described, failures)
     return described
@@ -408,4 +414,3 @@ def _tail(path: Path) -> str:
     except OSError:
         return ""
     return "\n".join(lines[-_LOG_TAIL_LINES:])
-

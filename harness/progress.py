@@ -40,7 +40,8 @@ class Progress:
         return [json.loads(line) for line in complete.splitlines() if line.strip()]
 
     def _show(self, arm: str, record: dict) -> None:
-        line = f"[arm {arm}] step {self._done[arm]}/{self.steps} loss={record.get('loss')} grad_norm={record.get('grad_norm')}"
+        step = f"[arm {arm}] step {self._done[arm]}/{self.steps}"
+        line = f"{step} loss={record.get('loss')} grad_norm={record.get('grad_norm')}"
         if not self.tty:
             print(line, file=self.stream, flush=True)
             return

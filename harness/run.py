@@ -176,7 +176,13 @@ def build_manifest(
 
 def _golden_summary(golden: GoldenPlan) -> dict:
     compared = str(golden.path.parent / f"{golden.golden.env_key}.json") if golden.golden else None
-    return {"mode": golden.mode, "path": str(golden.path), "compared": compared, "tier": golden.tier, "note": golden.note}
+    return {
+        "mode": golden.mode,
+        "path": str(golden.path),
+        "compared": compared,
+        "tier": golden.tier,
+        "note": golden.note,
+    }
 
 
 def launch_all(
@@ -209,7 +215,9 @@ def launch_checks(launches: list[LaunchResult]) -> list[CheckResult]:
             extra = {"traceback": root.traceback, "log": root.log, "error": r.error}
             checks.append(CheckResult(f"rank {root.rank} raised", "rank-raised", "fail", r.headline, extra=extra))
         else:
-            checks.append(CheckResult(f"launch: {r.group.name}", "launch", "error", r.headline, extra={"error": r.error}))
+            checks.append(
+                CheckResult(f"launch: {r.group.name}", "launch", "error", r.headline, extra={"error": r.error})
+            )
     return checks
 
 
@@ -218,7 +226,9 @@ def record_checks(
 ) -> list[CheckResult]:
     """Unreadable records, arms that stopped short though no rank failed, and ranks that did not
     run on the pinned kernel ISA."""
-    checks = [CheckResult(f"records: {arm}", "records", "error", rec.error) for arm, rec in records.items() if rec.error]
+    checks = [
+        CheckResult(f"records: {arm}", "records", "error", rec.error) for arm, rec in records.items() if rec.error
+    ]
     for arm, rec in records.items():
         if not crashed and not rec.error and rec.steps_done() != suite.steps:
             detail = f"arm '{arm}' recorded {rec.steps_done()} of {suite.steps} steps, and no rank failed"
@@ -232,7 +242,11 @@ def record_checks(
 
 
 def collect_checks(
-    suite: SuiteSpec, launches: list[LaunchResult], records: dict[str, ArmRecords], golden: GoldenPlan, pin: CpuPin | None
+    suite: SuiteSpec,
+    launches: list[LaunchResult],
+    records: dict[str, ArmRecords],
+    golden: GoldenPlan,
+    pin: CpuPin | None,
 ) -> list[CheckResult]:
     """Rank failures first, then the records, the suite's checks and the golden's, all on whatever
     the arms recorded: a check never passes on steps that did not run."""
@@ -259,7 +273,13 @@ def update_golden(plan: GoldenPlan, suite: SuiteSpec, manifest: dict, metrics: d
         "date": manifest["created"],
     }
     new = golden_from_metrics(
-        suite.name, manifest["env_key"], provenance, golden_config(suite), suite.golden_tier, metrics, suite.golden_metrics
+        suite.name,
+        manifest["env_key"],
+        provenance,
+        golden_config(suite),
+        suite.golden_tier,
+        metrics,
+        suite.golden_metrics,
     )
     write_golden(plan.path, new)
     return "\n".join(filter(None, [plan.note, diff_summary(plan.golden, new), f"wrote {plan.path}"]))
@@ -279,7 +299,9 @@ def run_suite(suite: SuiteSpec, options: RunOptions, out: TextIO = sys.stdout, e
     check_device(suite, options.device)
     pin = cpu_pin(options.cpu_isa) if options.device == "cpu" else None
     key = run_env_key(options.device, suite_dtype(suite), pin)
-    golden = plan_golden(suite.name, golden_config(suite), key, options.golden, options.golden_dir, suite.golden_cross_env)
+    golden = plan_golden(
+        suite.name, golden_config(suite), key, options.golden, options.golden_dir, suite.golden_cross_env
+    )
     run_dir = make_run_dir(suite, options.out)
     with harness_log(run_dir), Cancellation():
         groups = plan_launches(suite)
@@ -308,11 +330,17 @@ def run_suite(suite: SuiteSpec, options: RunOptions, out: TextIO = sys.stdout, e
         if not records:
             records = {arm: read_arm(run_dir, arm, suite.arms[arm].ep) for arm in suite.arms}
         verdict, exit_code = ("cancelled", cancelled.exit_code) if cancelled else verdict_of(checks)
-        summary = build_summary(suite, verdict, exit_code, time.monotonic() - start, key, golden, launches, records, checks)
+        summary = build_summary(
+            suite, verdict, exit_code, time.monotonic() - start, key, golden, launches, records, checks
+        )
         metrics = {arm: rec.metrics for arm, rec in records.items() if rec.steps_done()}
         news = None
         if golden.mode == "update":
-            news = update_golden(golden, suite, manifest, metrics) if exit_code == EXIT_PASS else f"not updating {golden.path}: the run did not pass"
+            news = (
+                update_golden(golden, suite, manifest, metrics)
+                if exit_code == EXIT_PASS
+                else f"not updating {golden.path}: the run did not pass"
+            )
         exit_code = finish(run_dir, summary, manifest, metrics, golden.golden if golden.mode == "check" else None, err)
     print(format_verdict_table(summary), file=out)
     if news:
@@ -353,7 +381,9 @@ def build_summary(
                 "duration_s": round(r.duration_s, 3),
                 "timed_out": r.timed_out,
                 "error": r.error,
-                "root_cause": dataclasses.asdict(r.verdict) | {"rank": r.root.rank if r.root else None} if r.verdict else None,
+                "root_cause": dataclasses.asdict(r.verdict) | {"rank": r.root.rank if r.root else None}
+                if r.verdict
+                else None,
             }
             for r in launches
         ],
@@ -383,9 +413,13 @@ def finish(
             summary.update(verdict="cancelled", exit_code=c.exit_code, checks=[*summary["checks"], check.to_dict()])
         except Exception as e:
             log.exception("writing the run's outputs failed")
-            print(f"error: writing the outputs failed: {type(e).__name__}: {e} (see {run_dir}/logs/harness.log)", file=err)
+            print(
+                f"error: writing the outputs failed: {type(e).__name__}: {e} (see {run_dir}/logs/harness.log)", file=err
+            )
             if summary["exit_code"] in (EXIT_PASS, EXIT_FAIL) and attempt == 0:
-                check = CheckResult("outputs", "outputs", "error", f"writing the outputs failed: {type(e).__name__}: {e}")
+                check = CheckResult(
+                    "outputs", "outputs", "error", f"writing the outputs failed: {type(e).__name__}: {e}"
+                )
                 summary.update(verdict="error", exit_code=EXIT_INFRA, checks=[*summary["checks"], check.to_dict()])
                 continue
             return EXIT_INFRA
@@ -410,7 +444,11 @@ def rerender(run_dir: Path, out: TextIO = sys.stdout) -> int:
             if (run_dir / "arms" / arm / "metrics.jsonl").is_file()
         }
         compared = summary["golden"].get("compared")
-        golden = load_golden(Path(compared)) if summary["golden"]["mode"] == "check" and compared and os.path.isfile(compared) else None
+        golden = (
+            load_golden(Path(compared))
+            if summary["golden"]["mode"] == "check" and compared and os.path.isfile(compared)
+            else None
+        )
     except (OSError, ValueError, KeyError, TypeError, RecordError, GoldenError) as e:
         raise UsageError(f"{run_dir}: not a readable run directory: {e}") from None
     write_junit(run_dir / "junit.xml", summary)

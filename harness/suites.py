@@ -41,7 +41,14 @@ PAIR_KINDS = ("exact", "ulp", "close", "band")
 PIPELINE_KINDS = ("exactly-once", "staleness-ages", "correction-stats")
 # Static checks of a traced arm's FX graph (exchange counts, launch/wait pairs, buffer sets, order).
 GRAPH_KIND = "graph-invariants"
-CHECK_KINDS = (*PAIR_KINDS, "token-exchange-invariants", "same-event-sequence", "determinism", *PIPELINE_KINDS, GRAPH_KIND)
+CHECK_KINDS = (
+    *PAIR_KINDS,
+    "token-exchange-invariants",
+    "same-event-sequence",
+    "determinism",
+    *PIPELINE_KINDS,
+    GRAPH_KIND,
+)
 FAIL_MODES = ("raise", "hang", "exit", "kill", "stop")
 # Names that become paths (suites, arms) or labels (checks) must be safe as both.
 NAME_PATTERN = re.compile(r"[a-z0-9][a-z0-9_-]*")
@@ -62,11 +69,15 @@ def _value_type(hint: Any) -> type:
 # PipelineConfig fields (TrainConfig's and the pipeline's) a suite may set in [train] or [arms.X];
 # the model comes from [model] and the device from --device, so that one suite file runs anywhere.
 _TRAIN_FIELDS: dict[str, type] = {
-    name: _value_type(hint) for name, hint in typing.get_type_hints(PipelineConfig).items() if name not in ("model", "device")
+    name: _value_type(hint)
+    for name, hint in typing.get_type_hints(PipelineConfig).items()
+    if name not in ("model", "device")
 }
 # Setting any of these makes an arm versioned.
 PIPELINE_FIELDS = tuple(
-    f.name for f in dataclasses.fields(PipelineConfig) if f.name not in {g.name for g in dataclasses.fields(TrainConfig)}
+    f.name
+    for f in dataclasses.fields(PipelineConfig)
+    if f.name not in {g.name for g in dataclasses.fields(TrainConfig)}
 )
 # Sizes and rates that must be positive; other numbers need only be non-negative ints or finite
 # floats, and the reference's TrainConfig validates its own domains after this.
@@ -156,7 +167,11 @@ class SuiteSpec:
             "steps": self.steps,
             "arms": {a.name: {"ranks": a.ranks, "train": a.train} for a in self.arms.values()},
             "checks": [dataclasses.asdict(c) for c in self.checks],
-            "golden": {"tier": self.golden_tier, "metrics": list(self.golden_metrics), "cross_env": self.golden_cross_env},
+            "golden": {
+                "tier": self.golden_tier,
+                "metrics": list(self.golden_metrics),
+                "cross_env": self.golden_cross_env,
+            },
             "debug": dataclasses.asdict(self.debug),
         }
 
@@ -251,7 +266,9 @@ class _Validator:
         if "." not in key and key not in _TOP_KEYS and key in _TRAIN_FIELDS:
             # Shorthand: a bare TrainConfig field applies to the suite and to every arm setting it.
             arms = raw.get("arms") if isinstance(raw.get("arms"), dict) else {}
-            targets = ["train." + key] + [f"arms.{arm}.{key}" for arm, table in arms.items() if isinstance(table, dict) and key in table]
+            targets = ["train." + key] + [
+                f"arms.{arm}.{key}" for arm, table in arms.items() if isinstance(table, dict) and key in table
+            ]
         else:
             targets = [key]
         for dotted in targets:
@@ -335,7 +352,9 @@ class _Validator:
             positive = key in _POSITIVE
             number = not isinstance(value, bool) and isinstance(value, (int, float)) and math.isfinite(value)
             if not number or (positive and value <= 0):
-                raise self.error(dotted, f"expected a {'number > 0' if positive else 'finite number'}, got {_show(value)}")
+                raise self.error(
+                    dotted, f"expected a {'number > 0' if positive else 'finite number'}, got {_show(value)}"
+                )
             return float(value)
         if expected is str:
             return self.str_(value, dotted)
@@ -358,7 +377,10 @@ class _Validator:
         arms_raw = raw["arms"]
         if not isinstance(arms_raw, dict) or not arms_raw:
             raise self.error("arms", f"expected at least one [arms.NAME] table, got {_show(arms_raw)}")
-        arms = {self.name(arm, f"arms.{arm}"): self.arm(arm, table, base, model, ranks, steps) for arm, table in arms_raw.items()}
+        arms = {
+            self.name(arm, f"arms.{arm}"): self.arm(arm, table, base, model, ranks, steps)
+            for arm, table in arms_raw.items()
+        }
         checks_raw = raw.get("checks", [])
         if not isinstance(checks_raw, list) or not checks_raw:
             # A suite that checks nothing would pass whatever its arms did.
@@ -370,7 +392,9 @@ class _Validator:
                 raise self.error(f"checks.{i}.name", f"duplicate check name {_show(c.name)}")
         golden_tier, golden_metrics, cross_env = self.golden(raw.get("golden", {}))
         debug = self.debug(raw.get("debug", {}), arms, steps)
-        return SuiteSpec(name, description, path, ranks, steps, arms, checks, golden_tier, golden_metrics, cross_env, debug)
+        return SuiteSpec(
+            name, description, path, ranks, steps, arms, checks, golden_tier, golden_metrics, cross_env, debug
+        )
 
     def name(self, value: Any, dotted: str) -> str:
         """Suite and arm names become directories: lowercase letters, digits, '-' and '_' only."""
@@ -391,15 +415,26 @@ class _Validator:
 
         def source(key: str) -> str:
             """The field a merged value came from; ep falls back to the suite's ranks."""
-            return f"{dotted}.{key}" if key in own else f"train.{key}" if key in base else "ranks" if key == "ep" else dotted
+            return (
+                f"{dotted}.{key}"
+                if key in own
+                else f"train.{key}"
+                if key in base
+                else "ranks"
+                if key == "ep"
+                else dotted
+            )
 
         experts = CONFIGS[model].n_routed_experts
         if experts % merged["ep"]:
             raise self.error(
-                source("ep"), f"EP degree {merged['ep']} does not divide the {experts} routed experts of model {_show(model)}"
+                source("ep"),
+                f"EP degree {merged['ep']} does not divide the {experts} routed experts of model {_show(model)}",
             )
         if merged["ep"] % ranks:
-            raise self.error(ranks_field, f"{ranks} processes do not divide EP degree {merged['ep']} of arm {_show(name)}")
+            raise self.error(
+                ranks_field, f"{ranks} processes do not divide EP degree {merged['ep']} of arm {_show(name)}"
+            )
         try:
             config = train_config(merged)
         except (TypeError, ValueError) as e:
@@ -460,7 +495,9 @@ class _Validator:
             a, b = self.arm_pair(raw, dotted, arms)
             if arms[a].train != arms[b].train:
                 diff = sorted(k for k in arms[a].train if arms[a].train[k] != arms[b].train[k])
-                raise self.error(f"{dotted}.arms", f"determinism needs identical arms; {a} and {b} differ in {', '.join(diff)}")
+                raise self.error(
+                    f"{dotted}.arms", f"determinism needs identical arms; {a} and {b} differ in {', '.join(diff)}"
+                )
             metrics = self.metric_list(raw, dotted, DETERMINISM_METRICS)
             return CheckSpec(kind, name or f"{a} vs {b}", (a, b), metrics)
         a, b = self.arm_pair(raw, dotted, arms)
@@ -471,16 +508,24 @@ class _Validator:
         """Check names label reports and plots: no markup, path or shell characters."""
         if not isinstance(value, str) or not CHECK_NAME_PATTERN.fullmatch(value):
             allowed = "letters, digits, spaces and _ . , : ( ) + -"
-            raise self.error(dotted, f"expected a name of {allowed}, starting with a letter or digit, got {_show(value)}")
+            raise self.error(
+                dotted, f"expected a name of {allowed}, starting with a letter or digit, got {_show(value)}"
+            )
         return value
 
     def traced_arms(self, raw: dict, dotted: str, arms: dict[str, ArmSpec]) -> tuple[str, ...]:
         """The arms whose graphs a graph check reads: those listed, or every traced arm."""
         traced = {arm for arm, spec in arms.items() if spec.train.get("chunking") in TRACED}
-        chosen = self.str_list(raw["arms"], f"{dotted}.arms", list(arms)) if "arms" in raw else tuple(a for a in arms if a in traced)
+        chosen = (
+            self.str_list(raw["arms"], f"{dotted}.arms", list(arms))
+            if "arms" in raw
+            else tuple(a for a in arms if a in traced)
+        )
         for i, arm in enumerate(chosen):
             if arm not in traced:
-                raise self.error(f"{dotted}.arms.{i}", f"arm {_show(arm)} has no graph (chunking must be one of {', '.join(TRACED)})")
+                raise self.error(
+                    f"{dotted}.arms.{i}", f"arm {_show(arm)} has no graph (chunking must be one of {', '.join(TRACED)})"
+                )
         if not chosen:
             raise self.error(dotted, f"needs a traced arm (chunking one of {', '.join(TRACED)}); the suite has none")
         return chosen
@@ -494,13 +539,15 @@ class _Validator:
             if not spec.versioned:
                 return f"is not versioned (it sets none of {fields})"
             if corrected and spec.train["correction"] == "off":
-                return "has correction = \"off\": no statistics to check"
+                return 'has correction = "off": no statistics to check'
             return None
 
         if "arms" not in raw:
             chosen = tuple(arm for arm, spec in arms.items() if problem(spec) is None)
             if not chosen:
-                wanted = "a versioned arm with a correction" if corrected else f"a versioned arm (one that sets {fields})"
+                wanted = (
+                    "a versioned arm with a correction" if corrected else f"a versioned arm (one that sets {fields})"
+                )
                 raise self.error(dotted, f"needs {wanted}; the suite has none")
             return chosen
         chosen = self.str_list(raw["arms"], f"{dotted}.arms", list(arms))
@@ -525,7 +572,9 @@ class _Validator:
             raise self.error("golden", f"expected a table, got {_show(raw)}")
         for key in ("arms", "name"):
             if key in raw:
-                raise self.error(f"golden.{key}", "unknown key (allowed: kind, metrics, cross_env and the tier's fields)")
+                raise self.error(
+                    f"golden.{key}", "unknown key (allowed: kind, metrics, cross_env and the tier's fields)"
+                )
         own = {k: v for k, v in raw.items() if k != "cross_env"}
         cross_env = raw.get("cross_env", CROSS_ENV_TIER)
         if not isinstance(cross_env, dict) or cross_env.get("kind") == "exact":

@@ -56,7 +56,7 @@ class Verdict:
 
 
 def exception_line(traceback: str) -> str:
-    """"RuntimeError: shapes cannot be multiplied": the last unindented line of a traceback."""
+    """ "RuntimeError: shapes cannot be multiplied": the last unindented line of a traceback."""
     lines = [line for line in traceback.strip().splitlines() if line.strip() and not line[0].isspace()]
     return lines[-1].strip() if lines else ""
 

@@ -142,7 +142,10 @@ def run_arm(run_dir: Path, arm: str, train: dict[str, Any], steps: int, debug: d
         for result in updates(trainer, steps, lambda step: _inject_fault(debug, arm, step, rank)):
             if metrics is not None:
                 metrics.write(result)
-            print(f"[arm {arm}] step {result['step']}/{steps} loss={result['loss']!r} grad_norm={result['grad_norm']!r}", flush=True)
+            print(
+                f"[arm {arm}] step {result['step']}/{steps} loss={result['loss']!r} grad_norm={result['grad_norm']!r}",
+                flush=True,
+            )
 
 
 @record

@@ -47,7 +47,9 @@ def test_signal_cancels_with_128_plus_n_and_writes_every_output(
     assert not processes_mentioning(str(out))
 
 
-def test_second_sigint_while_the_outputs_are_written_aborts_with_130(start_harness, processes_mentioning, tmp_path: Path) -> None:
+def test_second_sigint_while_the_outputs_are_written_aborts_with_130(
+    start_harness, processes_mentioning, tmp_path: Path
+) -> None:
     out = tmp_path / "run"
     proc = _training(start_harness, out)
     proc.send_signal(signal.SIGINT)

@@ -38,7 +38,10 @@ def test_token_exchange_fails_an_arm_without_recorded_moe_layers(tmp_path: Path)
     suite = _suite(tmp_path)
     records = {arm: ArmRecords(events={0: [], 1: []}) for arm in suite.arms}
     results = run_check(suite.checks[0], suite, records)
-    assert [(r.name, r.status) for r in results] == [("eager: token-exchange", "fail"), ("graph: token-exchange", "fail")]
+    assert [(r.name, r.status) for r in results] == [
+        ("eager: token-exchange", "fail"),
+        ("graph: token-exchange", "fail"),
+    ]
     assert results[0].detail == "arm 'eager' has no arm.json with its MoE layers: no exchange to check"
     records["eager"].moe_layers = [1, 2]
     eager = run_check(suite.checks[0], suite, records)[:4]
@@ -49,7 +52,9 @@ def test_a_traced_arm_without_recorded_graph_checks_fails(tmp_path: Path) -> Non
     suite = _suite(tmp_path)
     [missing] = run_check(suite.checks[1], suite, {arm: ArmRecords() for arm in suite.arms})
     assert missing.status == "fail" and "no static graph checks" in missing.detail
-    recorded = ArmRecords(graph_checks=[{"name": "graph:chunk-order", "status": "fail", "detail": "d", "problems": ["p"]}])
+    recorded = ArmRecords(
+        graph_checks=[{"name": "graph:chunk-order", "status": "fail", "detail": "d", "problems": ["p"]}]
+    )
     results = run_check(suite.checks[1], suite, {"eager": ArmRecords(), "graph": recorded})
     assert [(r.name, r.status) for r in results] == [("graph: graph:chunk-order", "fail")]
 

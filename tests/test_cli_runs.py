@@ -110,7 +110,16 @@ def test_rank_raising_in_the_system_under_test_is_a_regression(run_harness, tmp_
 def test_arm_that_stops_short_without_a_crash_fails(run_harness, tmp_path: Path) -> None:
     out = tmp_path / "run"
     run = run_harness(
-        "run", "logical-ranks", "--steps", 3, "--out", out, "--set", "debug.fail_step=2", "--set", "debug.fail_mode=stop"
+        "run",
+        "logical-ranks",
+        "--steps",
+        3,
+        "--out",
+        out,
+        "--set",
+        "debug.fail_step=2",
+        "--set",
+        "debug.fail_mode=stop",
     )
     assert run.returncode == 1, run.stdout + run.stderr
     short = run.check(out, "records: procs")
@@ -175,7 +184,9 @@ def _golden_of(suite: str) -> str:
     [("{not json", "invalid JSON"), (_golden_of("logical-ranks"), "golden is for suite 'logical-ranks'")],
     ids=["corrupt", "other-suite"],
 )
-def test_corrupt_or_mismatched_golden_exits_2_naming_the_file(run_harness, tmp_path: Path, content: str, message: str) -> None:
+def test_corrupt_or_mismatched_golden_exits_2_naming_the_file(
+    run_harness, tmp_path: Path, content: str, message: str
+) -> None:
     golden = tmp_path / "golden" / "determinism" / f"{CPU_KEY}.json"
     golden.parent.mkdir(parents=True)
     golden.write_text(content)
@@ -226,10 +237,14 @@ def test_golden_of_another_cpu_isa_is_compared_at_the_cross_env_tier(run_harness
 
 def test_golden_of_another_configuration_is_exit_2_under_check(run_harness, tmp_path: Path) -> None:
     goldens = ("--golden-dir", tmp_path / "golden")
-    update = run_harness("golden", "update", "determinism", "--ranks", 1, "--steps", 2, *goldens, "--out", tmp_path / "u")
+    update = run_harness(
+        "golden", "update", "determinism", "--ranks", 1, "--steps", 2, *goldens, "--out", tmp_path / "u"
+    )
     assert update.returncode == 0, update.stdout + update.stderr
     golden = tmp_path / "golden" / "determinism" / f"{CPU_KEY}.json"
-    longer = run_harness("run", "determinism", "--ranks", 1, "--steps", 3, "--golden", "check", *goldens, "--out", tmp_path / "r")
+    longer = run_harness(
+        "run", "determinism", "--ranks", 1, "--steps", 3, "--golden", "check", *goldens, "--out", tmp_path / "r"
+    )
     assert longer.returncode == 2, longer.stdout + longer.stderr
     assert longer.stderr == (
         f"error: {golden}: config: recorded for another configuration:"
@@ -245,7 +260,10 @@ def test_golden_of_another_configuration_is_exit_2_under_check(run_harness, tmp_
 @pytest.mark.parametrize(
     "args,message",
     [
-        (("--out", "{tmp}/file/run"), "error: --out {tmp}/file/run: cannot create the run directory: Not a directory\n"),
+        (
+            ("--out", "{tmp}/file/run"),
+            "error: --out {tmp}/file/run: cannot create the run directory: Not a directory\n",
+        ),
         (("--timeout", "inf"), "error: --timeout: expected a finite number of seconds > 0, got inf\n"),
         (("--set", "checks=[]"), "error: --set checks: expected at least one [[checks]] table, got []\n"),
     ],

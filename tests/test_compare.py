@@ -192,7 +192,10 @@ def test_check_result_to_dict_is_json_ready_and_exact():
         ({"kind": "ulp", "ulps": 4}, Ulp(4)),
         ({"kind": "close", "rtol": 1e-4, "atol": 1e-5}, Close(1e-4, 1e-5)),
         ({"kind": "band", "max_rel": 0.05, "final_rel": 0.05, "min_corr": 0.9}, Band(0.05, 0.05, 0.9)),
-        ({"kind": "band", "max_rel": 0.05, "final_rel": 0.05, "min_corr": 0.9, "max_failing_steps": 2}, Band(0.05, 0.05, 0.9, 2)),
+        (
+            {"kind": "band", "max_rel": 0.05, "final_rel": 0.05, "min_corr": 0.9, "max_failing_steps": 2},
+            Band(0.05, 0.05, 0.9, 2),
+        ),
     ],
 )
 def test_tier_from_spec_round_trips(spec, tier):
@@ -213,7 +216,10 @@ def test_tier_from_spec_round_trips(spec, tier):
         ({"kind": "close", "rtol": math.nan, "atol": 0}, "'rtol'"),
         ({"kind": "close", "rtol": 1e-4, "atol": 0, "rtoll": 1}, "'rtoll'"),
         ({"kind": "band", "max_rel": 0.05, "final_rel": 0.05, "min_corr": 1.5}, "'min_corr'"),
-        ({"kind": "band", "max_rel": 0.05, "final_rel": 0.05, "min_corr": 0.9, "max_failing_steps": True}, "'max_failing_steps'"),
+        (
+            {"kind": "band", "max_rel": 0.05, "final_rel": 0.05, "min_corr": 0.9, "max_failing_steps": True},
+            "'max_failing_steps'",
+        ),
     ],
 )
 def test_tier_from_spec_names_the_bad_field(spec, field):

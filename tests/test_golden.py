@@ -8,8 +8,8 @@ import pytest
 from harness.compare import Close, Exact
 from harness.golden import (
     GoldenError,
-    compare_to_golden,
     comparable_goldens,
+    compare_to_golden,
     config_differences,
     diff_summary,
     env_key,
@@ -24,8 +24,13 @@ KEY = "cpu-gloo-float32-torch2.13"
 CONFIG = {"steps": 5, "arms": {"eager": {"ranks": 2, "config": {"chunks": 2}}, "graph": {"ranks": 2, "config": {}}}}
 CROSS_ENV = {"kind": "close", "rtol": 1e-4, "atol": 0.0}
 PROVENANCE = {
-    "torch": "2.13.0+cpu", "device": "cpu", "backend": "gloo", "dtype": "float32",
-    "harness": "0.1.0", "git_sha": "abc123", "date": "2026-01-01T00:00:00Z",
+    "torch": "2.13.0+cpu",
+    "device": "cpu",
+    "backend": "gloo",
+    "dtype": "float32",
+    "harness": "0.1.0",
+    "git_sha": "abc123",
+    "date": "2026-01-01T00:00:00Z",
 }
 
 
@@ -105,14 +110,32 @@ def _valid():
         (lambda d: d.update(schema=1), ": schema: expected 2, got 1 (recorded by an older harness"),
         (lambda d: d.pop("config"), ": config: expected an object with steps and arms"),
         (lambda d: d["config"].update(steps=0), ": config.steps: expected an integer >= 1, got 0"),
-        (lambda d: d.update(env_key="cuda-nccl-float32-torch2.13"), ": env_key: 'cuda-nccl-float32-torch2.13' does not match"),
+        (
+            lambda d: d.update(env_key="cuda-nccl-float32-torch2.13"),
+            ": env_key: 'cuda-nccl-float32-torch2.13' does not match",
+        ),
         (lambda d: d["provenance"].pop("git_sha"), ": provenance.git_sha: expected a string"),
         (lambda d: d.update(tier={"kind": "close", "rtol": 1e-4}), ": tier: close check: missing field 'atol'"),
-        (lambda d: d["arms"]["eager"]["loss"].update(values=[1.0, 2.0]), ": arms.eager.loss.values: expected a mapping of step -> float"),
-        (lambda d: d["arms"]["eager"]["loss"]["values"].update({"2": "abc"}), ': arms.eager.loss.values.2: expected a finite number or "nan"'),
-        (lambda d: d["arms"]["eager"]["loss"]["values"].update({"2": True}), ": arms.eager.loss.values.2: expected a finite number"),
-        (lambda d: d["arms"]["eager"]["loss"]["values"].update({"x": 1.0}), ": arms.eager.loss.values: step 'x' is not an integer"),
-        (lambda d: d["arms"]["graph"]["grad_norm"].update(end_step=9), ": arms.graph.grad_norm: start_step/end_step 0/9 do not match"),
+        (
+            lambda d: d["arms"]["eager"]["loss"].update(values=[1.0, 2.0]),
+            ": arms.eager.loss.values: expected a mapping of step -> float",
+        ),
+        (
+            lambda d: d["arms"]["eager"]["loss"]["values"].update({"2": "abc"}),
+            ': arms.eager.loss.values.2: expected a finite number or "nan"',
+        ),
+        (
+            lambda d: d["arms"]["eager"]["loss"]["values"].update({"2": True}),
+            ": arms.eager.loss.values.2: expected a finite number",
+        ),
+        (
+            lambda d: d["arms"]["eager"]["loss"]["values"].update({"x": 1.0}),
+            ": arms.eager.loss.values: step 'x' is not an integer",
+        ),
+        (
+            lambda d: d["arms"]["graph"]["grad_norm"].update(end_step=9),
+            ": arms.graph.grad_norm: start_step/end_step 0/9 do not match",
+        ),
         (lambda d: d["arms"].update(graph={}), ": arms.graph: expected a non-empty mapping"),
         (lambda d: d.update(extra=1), ": extra: unknown field"),
     ],
@@ -149,7 +172,12 @@ def test_load_golden_corrupt_json_names_file(tmp_path):
 def test_compare_to_golden_passes_same_run_and_catches_perturbation():
     golden = make()
     results = compare_to_golden(golden, {"eager": frame(), "graph": frame()}, Exact())
-    assert [r.name for r in results] == ["golden:eager:loss", "golden:eager:grad_norm", "golden:graph:loss", "golden:graph:grad_norm"]
+    assert [r.name for r in results] == [
+        "golden:eager:loss",
+        "golden:eager:grad_norm",
+        "golden:graph:loss",
+        "golden:graph:grad_norm",
+    ]
     assert all(r.status == "pass" for r in results)
     drifted = frame()
     drifted.loc[2, "loss"] = float(np.nextafter(drifted.loc[2, "loss"], 0.0))
@@ -185,7 +213,13 @@ def test_diff_summary_reports_new_unchanged_changed_removed():
     changed = frame()
     changed.loc[3, "loss"] += 1e-6
     new = golden_from_metrics(
-        "parity", KEY, {**PROVENANCE, "torch": "2.13.1"}, CONFIG, {"kind": "exact"}, {"eager": changed, "extra": frame()}, ("loss",)
+        "parity",
+        KEY,
+        {**PROVENANCE, "torch": "2.13.1"},
+        CONFIG,
+        {"kind": "exact"},
+        {"eager": changed, "extra": frame()},
+        ("loss",),
     )
     lines = diff_summary(old, new).splitlines()
     assert lines[0] == f"golden parity/{KEY}: update"
@@ -281,4 +315,7 @@ def test_steps_are_part_of_a_goldens_identity(tmp_path):
 
 def test_config_differences_see_through_tuples_and_name_missing_fields():
     assert config_differences({"a": {"b": [1, 2]}}, {"a": {"b": (1, 2)}}) == []
-    assert config_differences({"a": {"b": 1}}, {"a": {"c": 1}}) == ["a.b: golden 1, this run unset", "a.c: golden unset, this run 1"]
+    assert config_differences({"a": {"b": 1}}, {"a": {"c": 1}}) == [
+        "a.b: golden 1, this run unset",
+        "a.c: golden unset, this run 1",
+    ]

@@ -19,10 +19,19 @@ def schedule(steps=STEPS, layers=LAYERS, chunks=CHUNKS, recompute=False, buffer_
     events = []
 
     def emit(step, phase, layer, chunk, kind, op):
-        events.append({
-            "step": step, "phase": phase, "layer": layer, "chunk": chunk, "kind": kind, "op": op,
-            "buffer_set": chunk % buffer_sets, "seq": seq0 + len(events), "rows": rows,
-        })
+        events.append(
+            {
+                "step": step,
+                "phase": phase,
+                "layer": layer,
+                "chunk": chunk,
+                "kind": kind,
+                "op": op,
+                "buffer_set": chunk % buffer_sets,
+                "seq": seq0 + len(events),
+                "rows": rows,
+            }
+        )
 
     phases = [("fwd", layers)] + ([("recompute", layers[::-1])] if recompute else []) + [("bwd", layers[::-1])]
     for step in range(steps):
@@ -59,17 +68,30 @@ def test_correct_schedule_passes_every_check():
 
 
 def test_missing_wait_is_flagged():
-    events = without(schedule(), lambda e: (e["step"], e["phase"], e["layer"], e["chunk"], e["kind"], e["op"]) == (1, "bwd", 3, 2, "combine", "wait"))
+    events = without(
+        schedule(),
+        lambda e: (
+            (e["step"], e["phase"], e["layer"], e["chunk"], e["kind"], e["op"]) == (1, "bwd", 3, 2, "combine", "wait")
+        ),
+    )
     r = check_launch_wait_pairing(events)
     assert r.status == "fail" and r.first_divergent_step == 1
     assert "launch never waited: step 1 bwd layer 3 chunk 2 combine launch on buffer set 0" in r.detail
 
 
 def test_wait_without_launch_is_flagged():
-    events = without(schedule(), lambda e: (e["step"], e["phase"], e["layer"], e["chunk"], e["kind"], e["op"]) == (0, "fwd", 1, 0, "dispatch", "launch"))
+    events = without(
+        schedule(),
+        lambda e: (
+            (e["step"], e["phase"], e["layer"], e["chunk"], e["kind"], e["op"])
+            == (0, "fwd", 1, 0, "dispatch", "launch")
+        ),
+    )
     r = check_launch_wait_pairing(events)
     assert r.status == "fail" and r.first_divergent_step == 0
-    assert r.detail.startswith("event 1: wait without a launch: step 0 fwd layer 1 chunk 0 dispatch wait on buffer set 0")
+    assert r.detail.startswith(
+        "event 1: wait without a launch: step 0 fwd layer 1 chunk 0 dispatch wait on buffer set 0"
+    )
 
 
 def test_wait_on_other_buffer_set_is_not_a_pairing():
@@ -78,7 +100,9 @@ def test_wait_on_other_buffer_set_is_not_a_pairing():
     first_wait["buffer_set"] = 1 - first_wait["buffer_set"]
     r = check_launch_wait_pairing(events)
     assert r.status == "fail" and r.detail.startswith("event 0: launch never waited:") and "(and 1 more)" in r.detail
-    assert r.extra["problems"][1].startswith("event 2: wait without a launch: step 0 fwd layer 1 chunk 0 dispatch wait on buffer set 1")
+    assert r.extra["problems"][1].startswith(
+        "event 2: wait without a launch: step 0 fwd layer 1 chunk 0 dispatch wait on buffer set 1"
+    )
 
 
 def test_wait_before_its_launch_is_flagged():
@@ -97,7 +121,8 @@ def test_reused_buffer_set_is_flagged_with_location():
     r = check_buffer_reuse(events)
     assert r.status == "fail" and r.first_divergent_step == 0
     assert r.detail.startswith(
-        "dispatch buffer set 0 reused at step 0 fwd layer 5 chunk 2 (event 2) while step 0 fwd layer 5 chunk 0 is in flight"
+        "dispatch buffer set 0 reused at step 0 fwd layer 5 chunk 2 (event 2)"
+        " while step 0 fwd layer 5 chunk 0 is in flight"
     )
 
 
@@ -106,7 +131,9 @@ def test_buffer_reuse_after_wait_is_fine():
 
 
 def test_missing_chunk_is_flagged_by_counts():
-    events = without(schedule(), lambda e: e["step"] == 1 and e["phase"] == "bwd" and e["layer"] == 1 and e["chunk"] == 3)
+    events = without(
+        schedule(), lambda e: e["step"] == 1 and e["phase"] == "bwd" and e["layer"] == 1 and e["chunk"] == 3
+    )
     r = check_expected_counts(events, steps=STEPS, moe_layers=LAYERS, chunks=CHUNKS)
     assert r.status == "fail" and r.first_divergent_step == 1
     assert r.detail == "step 1 bwd layer 1 chunk 3: missing: dispatch 0 (expected 1), combine 0 (expected 1) launches"
@@ -134,13 +161,21 @@ def test_chunk_with_different_rows_is_flagged():
             e["rows"] = 60
     r = check_chunk_signatures(events)
     assert r.status == "fail" and r.first_divergent_step == 0
-    assert r.detail.startswith("step 0 bwd layer 3: chunk 2 differs from chunk 0 at its exchange event 2: combine launch 60 vs combine launch 64")
+    assert r.detail.startswith(
+        "step 0 bwd layer 3: chunk 2 differs from chunk 0 at its exchange event 2:"
+        " combine launch 60 vs combine launch 64"
+    )
 
 
 def test_chunk_missing_an_exchange_is_flagged_by_signatures():
-    events = without(schedule(), lambda e: (e["step"], e["phase"], e["layer"], e["chunk"], e["kind"]) == (0, "fwd", 1, 1, "combine"))
+    events = without(
+        schedule(), lambda e: (e["step"], e["phase"], e["layer"], e["chunk"], e["kind"]) == (0, "fwd", 1, 1, "combine")
+    )
     r = check_chunk_signatures(events)
-    assert r.status == "fail" and "chunk 1 differs from chunk 0 at its exchange event 2: nothing vs combine launch 64" in r.detail
+    assert (
+        r.status == "fail"
+        and "chunk 1 differs from chunk 0 at its exchange event 2: nothing vs combine launch 64" in r.detail
+    )
 
 
 def test_same_event_sequence_ignores_seq_offsets():

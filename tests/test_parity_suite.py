@@ -14,7 +14,9 @@ def failing(run, out: Path) -> set[str]:
 
 def test_parity_passes_with_golden_and_four_chunks(run_harness, tmp_path: Path) -> None:
     goldens = ("--golden-dir", tmp_path / "golden")
-    update = run_harness("golden", "update", "parity", "--ranks", 2, "--steps", 3, *goldens, "--out", tmp_path / "update")
+    update = run_harness(
+        "golden", "update", "parity", "--ranks", 2, "--steps", 3, *goldens, "--out", tmp_path / "update"
+    )
     assert update.returncode == 0, update.stdout + update.stderr
     out = tmp_path / "two"
     run = run_harness("run", "parity", "--ranks", 2, "--steps", 3, "--golden", "check", *goldens, "--out", out)
@@ -33,16 +35,32 @@ def test_parity_passes_with_golden_and_four_chunks(run_harness, tmp_path: Path) 
 @pytest.mark.parametrize(
     "fault,caught_by",
     [
-        ("skip-buffer-pass", {"graph: graph:buffer-sets", "graph: token-exchange:buffer-reuse", "eager vs graph: loss"}),
+        (
+            "skip-buffer-pass",
+            {"graph: graph:buffer-sets", "graph: token-exchange:buffer-reuse", "eager vs graph: loss"},
+        ),
         ("drop-wait", {"graph: graph:launch-wait-pairs", "graph: token-exchange:launch-wait-pairing"}),
         ("forward-order-backward", {"graph: graph:chunk-order", "eager-traced vs graph: events"}),
         ("clone-forward-only", {"graph: graph:buffer-set-pass", "graph: token-exchange:expected-counts"}),
     ],
 )
-def test_planted_graph_bug_fails_the_check_that_names_it(run_harness, tmp_path: Path, fault: str, caught_by: set[str]) -> None:
+def test_planted_graph_bug_fails_the_check_that_names_it(
+    run_harness, tmp_path: Path, fault: str, caught_by: set[str]
+) -> None:
     out = tmp_path / fault
     run = run_harness(
-        "run", "parity", "--ranks", 2, "--steps", 1, "--golden", "off", "--set", f"arms.graph.fault={fault}", "--out", out
+        "run",
+        "parity",
+        "--ranks",
+        2,
+        "--steps",
+        1,
+        "--golden",
+        "off",
+        "--set",
+        f"arms.graph.fault={fault}",
+        "--out",
+        out,
     )
     assert run.returncode == 1, run.stdout + run.stderr
     assert caught_by <= failing(run, out)

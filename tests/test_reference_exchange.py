@@ -42,7 +42,13 @@ def test_one_dispatch_and_one_combine_launch_per_layer_chunk_and_phase_each_wait
     events = run_one_step(TrainConfig(ep=2, chunking="eager", chunks=2))
     moe_layers = [1, 2]
     launches = Counter((e["phase"], e["layer"], e["chunk"], e["kind"]) for e in events if e["op"] == "launch")
-    expected = {(ph, layer, c, k): 1 for ph in ("fwd", "bwd") for layer in moe_layers for c in (0, 1) for k in ("dispatch", "combine")}
+    expected = {
+        (ph, layer, c, k): 1
+        for ph in ("fwd", "bwd")
+        for layer in moe_layers
+        for c in (0, 1)
+        for k in ("dispatch", "combine")
+    }
     assert launches == expected
     open_launches: dict = {}
     for e in events:
@@ -54,9 +60,18 @@ def test_one_dispatch_and_one_combine_launch_per_layer_chunk_and_phase_each_wait
     assert not open_launches
     # Forward chunks in order with the next chunk's launch before this chunk's wait; backward reversed.
     fwd = [(e["chunk"], e["kind"], e["op"]) for e in events if e["phase"] == "fwd" and e["layer"] == 1]
-    assert fwd[:4] == [(0, "dispatch", "launch"), (1, "dispatch", "launch"), (0, "dispatch", "wait"), (0, "combine", "launch")]
+    assert fwd[:4] == [
+        (0, "dispatch", "launch"),
+        (1, "dispatch", "launch"),
+        (0, "dispatch", "wait"),
+        (0, "combine", "launch"),
+    ]
     for kind in ("dispatch", "combine"):
-        bwd = [e["chunk"] for e in events if e["phase"] == "bwd" and e["layer"] == 1 and e["op"] == "launch" and e["kind"] == kind]
+        bwd = [
+            e["chunk"]
+            for e in events
+            if e["phase"] == "bwd" and e["layer"] == 1 and e["op"] == "launch" and e["kind"] == kind
+        ]
         assert bwd == [1, 0]
     assert {e["buffer_set"] for e in events if e["chunk"] == 1} == {1}
 
@@ -87,7 +102,9 @@ def test_reusing_one_buffer_set_for_two_exchanges_in_flight_corrupts_the_numeric
 
 def test_launch_and_wait_ops_survive_make_fx_and_dead_code_elimination() -> None:
     group = LogicalGroup(1)
-    exchange = TokenExchange(group, 0, hidden=4, capacity=8, num_buffer_sets=2, dtype=torch.float32, device=torch.device("cpu"))
+    exchange = TokenExchange(
+        group, 0, hidden=4, capacity=8, num_buffer_sets=2, dtype=torch.float32, device=torch.device("cpu")
+    )
     counts = torch.tensor([8])
 
     def fn(x: torch.Tensor) -> torch.Tensor:

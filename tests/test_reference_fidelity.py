@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from distributed import run_on_ranks
+
 from harness.reference.ep.exchange import TokenExchange, bind
 from harness.reference.ep.group import LogicalGroup
 from harness.reference.model import DeepseekV3ForCausalLM, causal_lm_loss, get_config
@@ -82,8 +82,15 @@ def reference_on_rank(rank: int, ep: int, state: dict) -> tuple[torch.Tensor, di
     model = DeepseekV3ForCausalLM(CFG, ep_rank=rank, ep_size=ep)
     model.load_hf_state_dict(state)
     model.set_forced_balanced(False)
-    exchange = TokenExchange(group, rank, hidden=CFG.hidden_size, capacity=BATCH * SEQ * CFG.num_experts_per_tok,
-                             num_buffer_sets=1, dtype=torch.float32, device=torch.device("cpu"))
+    exchange = TokenExchange(
+        group,
+        rank,
+        hidden=CFG.hidden_size,
+        capacity=BATCH * SEQ * CFG.num_experts_per_tok,
+        num_buffer_sets=1,
+        dtype=torch.float32,
+        device=torch.device("cpu"),
+    )
     inputs, labels = batch()
     rows = slice(rank * BATCH // ep, (rank + 1) * BATCH // ep)
     with bind(exchange):
@@ -96,7 +103,9 @@ def reference_on_rank(rank: int, ep: int, state: dict) -> tuple[torch.Tensor, di
     return logits.detach(), grads
 
 
-def assert_matches_hf(logits: torch.Tensor, grads: dict, hf_logits: torch.Tensor, hf_grads: dict, rank: int, ep: int) -> None:
+def assert_matches_hf(
+    logits: torch.Tensor, grads: dict, hf_logits: torch.Tensor, hf_grads: dict, rank: int, ep: int
+) -> None:
     rows = slice(rank * BATCH // ep, (rank + 1) * BATCH // ep)
     assert rel_err(logits, hf_logits[rows]) < RTOL
     assert grads.keys() == hf_grads.keys()

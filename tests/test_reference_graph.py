@@ -8,8 +8,8 @@ from dataclasses import replace
 
 import pytest
 import torch
-
 from distributed import run_on_ranks
+
 from harness.invariants import check_token_exchange
 from harness.reference.chunking.checks import exchange_inventory
 from harness.reference.chunking.graph import ChunkingError, buffer_set_of, chunk_regions
@@ -56,10 +56,17 @@ def test_trace_has_one_exchange_per_moe_layer_and_direction_with_forward_module(
         "fwd": ["dispatch", "wait_dispatch", "combine", "wait_combine"],
         "bwd": ["dispatch_data", "wait_dispatch_data", "combine_data", "wait_combine_data"],
     }
-    assert inventory == Counter({(root, phase, None, op): 1 for root in MOE_ROOTS for phase, ops in per_layer.items() for op in ops})
+    assert inventory == Counter(
+        {(root, phase, None, op): 1 for root in MOE_ROOTS for phase, ops in per_layer.items() for op in ops}
+    )
     backward_launches = [n for n in traced.gm.graph.nodes if MARKERS.is_launch(n) and is_backward(n)]
     # Backward launches carry the module of the forward launch they reverse, through seq_nr.
-    assert [node_fqn(n) for n in backward_launches] == ["model.layers.2.mlp", "model.layers.2.mlp", "model.layers.1.mlp", "model.layers.1.mlp"]
+    assert [node_fqn(n) for n in backward_launches] == [
+        "model.layers.2.mlp",
+        "model.layers.2.mlp",
+        "model.layers.1.mlp",
+        "model.layers.1.mlp",
+    ]
 
 
 def test_trace_makes_only_the_batch_dim_symbolic(traced: TracedStep) -> None:
@@ -70,7 +77,9 @@ def test_trace_makes_only_the_batch_dim_symbolic(traced: TracedStep) -> None:
     for node in traced.gm.graph.nodes:
         value = node.meta.get("val")
         if isinstance(value, torch.Tensor):
-            symbols |= {s for size in value.shape if isinstance(size, torch.SymInt) for s in size.node.expr.free_symbols}
+            symbols |= {
+                s for size in value.shape if isinstance(size, torch.SymInt) for s in size.node.expr.free_symbols
+            }
     assert symbols == {traced.symbol}
     attention = [n.meta["val"] for n in traced.gm.graph.nodes if "self_attn" in node_fqn(n)]
     per_head = [v for v in attention if isinstance(v, torch.Tensor) and v.dim() == 4]
@@ -102,12 +111,16 @@ def test_chunk_pass_copies_each_region_per_chunk_with_graph_metadata(traced) -> 
         return sum(n.target is torch.ops.aten.t.default and n.args[0].op == "placeholder" for n in gm.graph.nodes)
 
     before = weight_transposes()
-    regions = chunk_regions(gm, symbol=traced.symbol, chunks=2, root_pattern="model.layers.*.mlp", is_launch=MARKERS.is_launch)
+    regions = chunk_regions(
+        gm, symbol=traced.symbol, chunks=2, root_pattern="model.layers.*.mlp", is_launch=MARKERS.is_launch
+    )
     assert [r.name for r in regions] == [f"{root} {d}" for d in ("fwd", "bwd") for root in MOE_ROOTS]
     for region in regions:
         assert [len(c) for c in region.chunks] == [len(region.body)] * 2
         for chunk, copies in enumerate(region.chunks):
-            assert {(n.meta["custom"]["chunk_id"], n.meta["custom"]["region"]) for n in copies} == {(chunk, region.root)}
+            assert {(n.meta["custom"]["chunk_id"], n.meta["custom"]["region"]) for n in copies} == {
+                (chunk, region.root)
+            }
             assert all(is_backward(n) == region.backward for n in copies)
     # Parameters stay shared: computations on them alone (like a weight transpose) are not copied.
     assert weight_transposes() == before > 0
@@ -116,7 +129,9 @@ def test_chunk_pass_copies_each_region_per_chunk_with_graph_metadata(traced) -> 
 def test_chunk_pass_rejects_a_root_pattern_without_token_exchanges(traced) -> None:
     gm = copy.deepcopy(traced).gm
     with pytest.raises(ChunkingError, match="no token-exchange regions matched"):
-        chunk_regions(gm, symbol=traced.symbol, chunks=2, root_pattern="model.layers.*.self_attn", is_launch=MARKERS.is_launch)
+        chunk_regions(
+            gm, symbol=traced.symbol, chunks=2, root_pattern="model.layers.*.self_attn", is_launch=MARKERS.is_launch
+        )
 
 
 @pytest.mark.parametrize(
@@ -191,7 +206,9 @@ def test_graph_on_two_gloo_processes_matches_eager_in_one(eager: dict, eager_tra
         ("clone-forward-only", True, {"token-exchange:expected-counts"}),
     ],
 )
-def test_each_fault_is_caught_at_run_time(traced, model, eager, eager_traced, fault, numerics_differ, failing_invariants) -> None:
+def test_each_fault_is_caught_at_run_time(
+    traced, model, eager, eager_traced, fault, numerics_differ, failing_invariants
+) -> None:
     run = trajectory(replace(CONFIG, chunking="none"), STEPS, graph_step=compiled(traced, model, fault=fault))
     assert (run["metrics"] != eager["metrics"]) == numerics_differ
     assert without_seq(run["events"]) != without_seq(eager_traced["events"])

@@ -7,15 +7,17 @@ import sys
 
 import pytest
 import torch
-
 from distributed import run_on_ranks
+
 from harness.reference.train import TrainConfig, Trainer
 
 
 def trajectory(config: TrainConfig, steps: int) -> dict:
     """Losses, grad norms and every gradient of every logical rank hosted here, per step."""
     grads: dict = {}
-    trainer = Trainer(config, grad_sink=lambda rank, step, g: grads.__setitem__((rank, step), {n: t.clone() for n, t in g.items()}))
+    trainer = Trainer(
+        config, grad_sink=lambda rank, step, g: grads.__setitem__((rank, step), {n: t.clone() for n, t in g.items()})
+    )
     records = [trainer.step(s) for s in range(steps)]
     trainer.close()
     return {"metrics": [(r["loss"], r["grad_norm"]) for r in records], "grads": grads}

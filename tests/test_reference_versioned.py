@@ -33,7 +33,9 @@ def tiny_lm(seed: int = 0) -> nn.Module:
 def engine(retention: str = "retain", max_staleness: int = 2, correction: str = "off", seed: int = 0) -> VersionedModel:
     model = tiny_lm(seed)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, foreach=False)
-    return VersionedModel(model, optimizer, max_gradient_staleness=max_staleness, retention=retention, correction=correction)
+    return VersionedModel(
+        model, optimizer, max_gradient_staleness=max_staleness, retention=retention, correction=correction
+    )
 
 
 def batch(b: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -190,7 +192,9 @@ EP = {"ep": 2, "chunking": "eager", "chunks": 2}
 def pipeline_run(config: PipelineConfig, steps: int) -> dict:
     """Every record (minus timing) and every gradient of the logical ranks hosted here."""
     grads: dict = {}
-    trainer = VersionedTrainer(config, grad_sink=lambda r, s, g: grads.__setitem__((r, s), {n: t.clone() for n, t in g.items()}))
+    trainer = VersionedTrainer(
+        config, grad_sink=lambda r, s, g: grads.__setitem__((r, s), {n: t.clone() for n, t in g.items()})
+    )
     try:
         records = [{k: v for k, v in r.items() if k != "step_time_s"} for r in trainer.run(steps)]
     finally:
@@ -211,7 +215,10 @@ def assert_runs_equal(a: dict, b: dict, ignore: tuple[str, ...] = ()) -> None:
 
 def test_delay_0_is_plain_training_bitwise() -> None:
     plain_grads: dict = {}
-    trainer = Trainer(TrainConfig(**EP), grad_sink=lambda r, s, g: plain_grads.__setitem__((r, s), {n: t.clone() for n, t in g.items()}))
+    trainer = Trainer(
+        TrainConfig(**EP),
+        grad_sink=lambda r, s, g: plain_grads.__setitem__((r, s), {n: t.clone() for n, t in g.items()}),
+    )
     plain = [trainer.step(s) for s in range(4)]
     trainer.close()
     versioned = pipeline_run(PipelineConfig(**EP, delay=0), 4)
@@ -222,7 +229,10 @@ def test_delay_0_is_plain_training_bitwise() -> None:
 
 @pytest.mark.parametrize("correction", ["off", "always"])
 def test_retain_offload_and_replay_are_bitwise_identical_at_delay_2(correction: str) -> None:
-    runs = {ret: pipeline_run(PipelineConfig(**EP, delay=2, retention=ret, correction=correction), 5) for ret in ("retain", "offload", "replay")}
+    runs = {
+        ret: pipeline_run(PipelineConfig(**EP, delay=2, retention=ret, correction=correction), 5)
+        for ret in ("retain", "offload", "replay")
+    }
     assert [r["recomputes"] for r in runs["retain"]["records"]] == [0] * 5
     assert [r["recomputes"] for r in runs["replay"]["records"]] == [1] * 5
     for ret in ("offload", "replay"):
@@ -234,7 +244,10 @@ def test_retain_offload_and_replay_are_bitwise_identical_at_delay_2(correction: 
 
 
 def test_when_available_adds_no_forward_and_always_adds_exactly_one() -> None:
-    runs = {c: pipeline_run(PipelineConfig(**EP, delay=2, correction=c), 5)["records"] for c in ("off", "when_available", "always")}
+    runs = {
+        c: pipeline_run(PipelineConfig(**EP, delay=2, correction=c), 5)["records"]
+        for c in ("off", "when_available", "always")
+    }
     off = [r["forwards"] for r in runs["off"]]
     assert off == [3, 1, 1, 0, 0]  # the fill's forwards are counted in the first update
     assert [r["forwards"] for r in runs["when_available"]] == off
@@ -283,7 +296,9 @@ def _preflight_fails_on_rank_1() -> dict:
         error = str(exc)
     after = state(engine)
     trainer.close()
-    unchanged = all(torch.equal(before[0][n], after[0][n]) for n in before[0]) and all(g is None for g in after[1].values())
+    unchanged = all(torch.equal(before[0][n], after[0][n]) for n in before[0]) and all(
+        g is None for g in after[1].values()
+    )
     return {"error": error, "unchanged": unchanged, "versions": (tuple(version), tuple(engine.version))}
 
 

@@ -11,10 +11,13 @@ from harness.report import format_verdict_table, write_html, write_junit
 
 def metrics(steps=12, perturb_at=None):
     loss = 2.3 * np.exp(-np.arange(steps) / 8)
-    frame = lambda values: pd.DataFrame(
-        {"loss": values, "grad_norm": values / 2, "tokens": 256, "step_time_s": 0.01},
-        index=pd.RangeIndex(steps, name="step"),
-    )
+
+    def frame(values):
+        return pd.DataFrame(
+            {"loss": values, "grad_norm": values / 2, "tokens": 256, "step_time_s": 0.01},
+            index=pd.RangeIndex(steps, name="step"),
+        )
+
     graph = loss.copy()
     if perturb_at is not None:
         graph[perturb_at:] += 1e-7 * np.arange(1, steps - perturb_at + 1)
@@ -23,8 +26,15 @@ def metrics(steps=12, perturb_at=None):
 
 def summary(checks, verdict="fail", exit_code=1):
     return {
-        "suite": "parity", "verdict": verdict, "exit_code": exit_code, "ranks": 2, "steps": 12,
-        "arms": ["eager", "graph"], "duration_s": 4.25, "run_dir": "reports/parity/20260101-000000", "checks": checks,
+        "suite": "parity",
+        "verdict": verdict,
+        "exit_code": exit_code,
+        "ranks": 2,
+        "steps": 12,
+        "arms": ["eager", "graph"],
+        "duration_s": 4.25,
+        "run_dir": "reports/parity/20260101-000000",
+        "checks": checks,
     }
 
 
@@ -33,7 +43,12 @@ def checks_for(m):
         compare_arms(f"exact:{metric}", m["eager"], m["graph"], metric, Exact(), "eager", "graph").to_dict()
         for metric in ("loss", "grad_norm")
     ] + [
-        {"name": "token-exchange:buffer-reuse", "kind": "token-exchange-invariants", "status": "error", "detail": "malformed events: event 3"},
+        {
+            "name": "token-exchange:buffer-reuse",
+            "kind": "token-exchange-invariants",
+            "status": "error",
+            "detail": "malformed events: event 3",
+        },
         {"name": "golden:eager", "kind": "exact", "status": "skip", "detail": "no golden for arm 'eager'"},
     ]
 
@@ -45,7 +60,12 @@ def test_junit_counts_and_failure_detail(tmp_path):
     root = ET.parse(path).getroot()
     suite = root.find("testsuite")
     assert suite.get("name") == "parity"
-    assert (suite.get("tests"), suite.get("failures"), suite.get("errors"), suite.get("skipped")) == ("4", "2", "1", "1")
+    assert (suite.get("tests"), suite.get("failures"), suite.get("errors"), suite.get("skipped")) == (
+        "4",
+        "2",
+        "1",
+        "1",
+    )
     assert suite.get("time") == "4.250"
     cases = {c.get("name"): c for c in suite.findall("testcase")}
     assert all(c.get("classname") == "parity" for c in cases.values())
@@ -112,7 +132,9 @@ def test_verdict_table_puts_failures_first_and_aligns():
     assert lines[0] == "parity: FAIL (exit 1) - 4 checks, 2 ranks, 12 steps, 4.2 s"
     assert [line.split()[0] for line in lines[1:-1]] == ["ERROR", "FAIL", "FAIL", "SKIP"]
     assert lines[-1] == "0 passed, 2 failed, 1 errors, 1 skipped"
-    detail_columns = {line.index(check["detail"][:20]) for line, check in zip(lines[1:], [checks_for(m)[i] for i in (2, 0, 1, 3)])}
+    detail_columns = {
+        line.index(check["detail"][:20]) for line, check in zip(lines[1:], [checks_for(m)[i] for i in (2, 0, 1, 3)])
+    }
     assert len(detail_columns) == 1
 
 

@@ -60,7 +60,10 @@ def test_ranks_is_the_process_count_and_the_ep_degree_of_logical_ranks(ranks: in
     if ranks == 1:  # one layout: both arms in one launch
         assert [(g.ranks, g.arms, g.log_dir) for g in groups] == [(1, ("procs", "inproc"), "logs")]
     else:
-        assert [(g.ranks, g.arms, g.log_dir) for g in groups] == [(ranks, ("procs",), "logs/procs"), (1, ("inproc",), "logs/inproc")]
+        assert [(g.ranks, g.arms, g.log_dir) for g in groups] == [
+            (ranks, ("procs",), "logs/procs"),
+            (1, ("inproc",), "logs/inproc"),
+        ]
 
 
 def test_arm_resolves_to_a_full_train_config(tmp_path: Path) -> None:
@@ -82,26 +85,62 @@ def test_bare_train_field_override_applies_to_every_arm(tmp_path: Path) -> None:
     [
         ("bogus = 1\n" + GOOD, "FILE: bogus: unknown key"),
         (GOOD + "bogus = 1\n", "FILE: checks.0: exact check: unknown field 'bogus'"),
-        (GOOD.replace('chunks = 2', 'chunks = "two"'), 'FILE: arms.eager.chunks: expected int >= 1, got "two"'),
+        (GOOD.replace("chunks = 2", 'chunks = "two"'), 'FILE: arms.eager.chunks: expected int >= 1, got "two"'),
         (GOOD.replace("ranks = 2", "ranks = 9"), "FILE: ranks: expected int in 1-8, got 9"),
-        (GOOD.replace("ranks = 2", "ranks = 3"), 'FILE: ranks: EP degree 3 does not divide the 8 routed experts of model "cpu-tiny"'),
-        (GOOD.replace("[arms.plain]", "[arms.plain]\nep = 6"), "FILE: arms.plain.ep: EP degree 6 does not divide the 8 routed experts"),
-        (GOOD.replace("[arms.plain]", "[arms.plain]\nranks = 4"), 'FILE: arms.plain.ranks: 4 processes do not divide EP degree 2 of arm "plain"'),
-        (GOOD.replace('kind = "exact"', 'kind = "exactly"'), "FILE: checks.0.kind: expected one of exact, ulp, close, band"),
+        (
+            GOOD.replace("ranks = 2", "ranks = 3"),
+            'FILE: ranks: EP degree 3 does not divide the 8 routed experts of model "cpu-tiny"',
+        ),
+        (
+            GOOD.replace("[arms.plain]", "[arms.plain]\nep = 6"),
+            "FILE: arms.plain.ep: EP degree 6 does not divide the 8 routed experts",
+        ),
+        (
+            GOOD.replace("[arms.plain]", "[arms.plain]\nranks = 4"),
+            'FILE: arms.plain.ranks: 4 processes do not divide EP degree 2 of arm "plain"',
+        ),
+        (
+            GOOD.replace('kind = "exact"', 'kind = "exactly"'),
+            "FILE: checks.0.kind: expected one of exact, ulp, close, band",
+        ),
         (GOOD + 'arms = ["eager", "graph"]\n', 'FILE: checks.0.arms.1: expected one of eager, plain, got "graph"'),
-        (GOOD + 'metrics = ["los"]\n', 'FILE: checks.0.metrics.0: expected one of loss, grad_norm, tokens, step_time_s, got "los"'),
+        (
+            GOOD + 'metrics = ["los"]\n',
+            'FILE: checks.0.metrics.0: expected one of loss, grad_norm, tokens, step_time_s, got "los"',
+        ),
         (GOOD + "rtol = 0.1\n", "FILE: checks.0: exact check: unknown field 'rtol'"),
         (GOOD.replace('kind = "exact"', 'kind = "close"'), "FILE: checks.0: close check: missing field 'rtol'"),
         (GOOD.replace("lr = 0.001", 'lr = "fast"'), 'FILE: train.lr: expected a number > 0, got "fast"'),
-        (GOOD.replace('chunking = "eager"', 'chunking = "graphs"'), "FILE: arms.eager.chunking: chunking must be one of"),
+        (
+            GOOD.replace('chunking = "eager"', 'chunking = "graphs"'),
+            "FILE: arms.eager.chunking: chunking must be one of",
+        ),
         (GOOD.replace("lr = 0.001", 'routing = "random"'), "FILE: train.routing: routing must be one of"),
-        (GOOD.replace('[train]', '[model]\nconfig = "huge"\n[train]'), 'FILE: model.config: expected one of cpu-tiny, debugmodel, got "huge"'),
-        (GOOD + "[debug]\nfail_mode = \"explode\"\n", 'FILE: debug.fail_mode: expected one of raise, hang, exit, kill, stop, got "explode"'),
-        (GOOD.replace("[arms.plain]", '[arms."../../../x"]'), 'FILE: arms.../../../x: expected a name of lowercase letters, digits'),
-        (GOOD.replace("[arms.plain]", '[arms."$x^2$"]'), 'FILE: arms.$x^2$: expected a name of lowercase letters, digits'),
-        (GOOD + 'name = "a/b $x$"\n', 'FILE: checks.0.name: expected a name of letters, digits, spaces and _ . , : ( ) + -'),
+        (
+            GOOD.replace("[train]", '[model]\nconfig = "huge"\n[train]'),
+            'FILE: model.config: expected one of cpu-tiny, debugmodel, got "huge"',
+        ),
+        (
+            GOOD + '[debug]\nfail_mode = "explode"\n',
+            'FILE: debug.fail_mode: expected one of raise, hang, exit, kill, stop, got "explode"',
+        ),
+        (
+            GOOD.replace("[arms.plain]", '[arms."../../../x"]'),
+            "FILE: arms.../../../x: expected a name of lowercase letters, digits",
+        ),
+        (
+            GOOD.replace("[arms.plain]", '[arms."$x^2$"]'),
+            "FILE: arms.$x^2$: expected a name of lowercase letters, digits",
+        ),
+        (
+            GOOD + 'name = "a/b $x$"\n',
+            "FILE: checks.0.name: expected a name of letters, digits, spaces and _ . , : ( ) + -",
+        ),
         (GOOD.split("[[checks]]")[0], "FILE: checks: expected at least one [[checks]] table, got []"),
-        (GOOD + '[golden]\ncross_env = { kind = "exact" }\n', 'FILE: golden.cross_env: expected a tier table that is not exact'),
+        (
+            GOOD + '[golden]\ncross_env = { kind = "exact" }\n',
+            "FILE: golden.cross_env: expected a tier table that is not exact",
+        ),
         (GOOD + "[debug]\nfail_rank = 2\n", "FILE: debug.fail_rank: expected int in 0-1, got 2"),
         (GOOD.replace('name = "mini"', ""), "FILE: name: missing"),
         ("name = ", "FILE: invalid TOML"),
@@ -158,6 +197,11 @@ def test_progress_follows_metrics_as_they_are_written(tmp_path: Path, tty: bool)
     progress.close()
     text = stream.getvalue()
     if tty:
-        assert text == "\r\x1b[K[arm a] step 1/2 loss=1.5 grad_norm=0.5\r\x1b[K[arm a] step 2/2 loss=1.25 grad_norm=0.25\n"
+        assert (
+            text == "\r\x1b[K[arm a] step 1/2 loss=1.5 grad_norm=0.5\r\x1b[K[arm a] step 2/2 loss=1.25 grad_norm=0.25\n"
+        )
     else:
-        assert text.splitlines() == ["[arm a] step 1/2 loss=1.5 grad_norm=0.5", "[arm a] step 2/2 loss=1.25 grad_norm=0.25"]
+        assert text.splitlines() == [
+            "[arm a] step 1/2 loss=1.5 grad_norm=0.5",
+            "[arm a] step 2/2 loss=1.25 grad_norm=0.25",
+        ]

@@ -31,7 +31,9 @@ def test_a_shape_error_raised_through_the_reference_is_a_regression() -> None:
 
 
 def test_an_internal_consistency_assertion_of_the_reference_is_a_regression() -> None:
-    text = _traceback(WORKER, str(SUBJECT_DIR / "versioned.py"), last="RuntimeError: replay of batch 2 diverged: loss 1 != 2")
+    text = _traceback(
+        WORKER, str(SUBJECT_DIR / "versioned.py"), last="RuntimeError: replay of batch 2 diverged: loss 1 != 2"
+    )
     assert classify(1, text).kind == REGRESSION
 
 

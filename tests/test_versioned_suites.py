@@ -33,7 +33,9 @@ def _assert_passed_against_golden(run, run_dir: Path) -> list[dict]:
 
 
 @pytest.mark.parametrize("suite,arm,delay", [("strict-baseline", "versioned", 0), ("retention", "replay", 2)])
-def test_exact_versioned_suite_passes_against_its_golden(run_harness, tmp_path: Path, suite: str, arm: str, delay: int) -> None:
+def test_exact_versioned_suite_passes_against_its_golden(
+    run_harness, tmp_path: Path, suite: str, arm: str, delay: int
+) -> None:
     goldens = ("--golden-dir", tmp_path / "golden")
     update = run_harness("golden", "update", suite, "--steps", 5, *goldens, "--out", tmp_path / "update")
     assert update.returncode == 0, update.stdout + update.stderr
@@ -50,7 +52,9 @@ def test_strict_vs_stale_passes_its_band_and_reports_the_correction(run_harness,
     run = run_harness("run", "strict-vs-stale", "--golden", "off", "--out", out)
     assert run.returncode == 0, run.stdout + run.stderr
     assert run.check(out, "strict vs stale, loss band: loss")["status"] == "pass"
-    assert run.check(out, "stale: staleness-ages")["detail"].startswith("ages seen: 0 at step 1, 1 at step 2, 2 at steps 3-20")
+    assert run.check(out, "stale: staleness-ages")["detail"].startswith(
+        "ages seen: 0 at step 1, 1 at step 2, 2 at steps 3-20"
+    )
     stats = run.check(out, "stale: correction-stats")
     assert stats["status"] == "pass" and stats["detail"].startswith("always: mean weight"), stats
     updates = _assert_pipeline_records(out, "stale", 20, 2)
@@ -72,7 +76,9 @@ def test_perturbed_stale_arm_fails_the_band(run_harness, tmp_path: Path) -> None
 
 def test_planted_double_apply_is_caught_by_exactly_once(run_harness, tmp_path: Path) -> None:
     out = tmp_path / "run"
-    run = run_harness("run", "strict-baseline", "--steps", 4, "--set", "arms.versioned.apply_twice_batch=3", "--out", out)
+    run = run_harness(
+        "run", "strict-baseline", "--steps", 4, "--set", "arms.versioned.apply_twice_batch=3", "--out", out
+    )
     assert run.returncode == 1, run.stdout + run.stderr
     once = run.check(out, "versioned: exactly-once")
     assert once["status"] == "fail" and once["first_divergent_step"] == 3
@@ -101,21 +107,36 @@ delay = 2
 ONE_CHECK = '[[checks]]\nkind = "exactly-once"\n'
 
 
-
 @pytest.mark.parametrize(
     "extra,expected",
     [
         ("", None),
         ('[[checks]]\nkind = "exactly-once"\narms = ["plain"]\n', 'checks.0.arms.0: arm "plain" is not versioned'),
-        ('[[checks]]\nkind = "correction-stats"\narms = ["stale"]\n', 'checks.0.arms.0: arm "stale" has correction = "off"'),
-        ('[[checks]]\nkind = "correction-stats"\n', "checks.0: needs a versioned arm with a correction; the suite has none"),
+        (
+            '[[checks]]\nkind = "correction-stats"\narms = ["stale"]\n',
+            'checks.0.arms.0: arm "stale" has correction = "off"',
+        ),
+        (
+            '[[checks]]\nkind = "correction-stats"\n',
+            "checks.0: needs a versioned arm with a correction; the suite has none",
+        ),
         ("[arms.late]\ndelay = 3\n", "arms.late.delay: delay 3 exceeds max_gradient_staleness 2"),
         ("[arms.late]\ndelay = 3\nmax_gradient_staleness = 3\n", None),
         ("[arms.twice]\napply_twice_batch = 5\n", "arms.twice.apply_twice_batch: expected a batch id in 1-4, got 5"),
         ('[arms.odd]\nretention = "swap"\n', "arms.odd.retention: retention must be one of"),
         ("[arms.neg]\ndelay = -1\n", "arms.neg.delay: expected int >= 0, got -1"),
     ],
-    ids=["valid", "plain-arm", "correction-off", "no-corrected-arm", "delay-over-max", "raised-max", "batch-out-of-range", "retention", "negative-delay"],
+    ids=[
+        "valid",
+        "plain-arm",
+        "correction-off",
+        "no-corrected-arm",
+        "delay-over-max",
+        "raised-max",
+        "batch-out-of-range",
+        "retention",
+        "negative-delay",
+    ],
 )
 def test_pipeline_fields_are_validated(tmp_path: Path, extra: str, expected: str | None) -> None:
     path = tmp_path / "suite.toml"
@@ -169,7 +190,7 @@ def test_correction_stats_fail_only_on_impossible_values(mean: list, clipped: li
 @pytest.mark.parametrize(
     "correction,mean,detail",
     [
-        ("always", [None, None, None], "step 1: no correction statistics under correction = \"always\" (and 2 more)"),
+        ("always", [None, None, None], 'step 1: no correction statistics under correction = "always" (and 2 more)'),
         ("always", [1.0, 1.0, 1.0], "mean weight exactly 1 at every stale step (2-3): the correction was not applied"),
         ("when_available", [None, None, None], "no step of 3 reported correction statistics under when_available"),
     ],
@@ -180,7 +201,9 @@ def test_correction_stats_never_pass_a_correction_that_did_nothing(correction: s
     updates = _updates(([1], [0]), ([2], [1]), ([3], [1]), correction_mean=mean, correction_clipped_frac=clipped)
     result = check_correction_stats(updates, correction, delay=1)
     assert result.status == "fail" and result.detail == detail
-    working = _updates(([1], [0]), ([2], [1]), ([3], [1]), correction_mean=[1.0, 0.98, 1.01], correction_clipped_frac=[0.0] * 3)
+    working = _updates(
+        ([1], [0]), ([2], [1]), ([3], [1]), correction_mean=[1.0, 0.98, 1.01], correction_clipped_frac=[0.0] * 3
+    )
     assert check_correction_stats(working, "always", delay=1).status == "pass"
 
 

@@ -1,13 +1,14 @@
 """Train ``cpu-tiny`` with expert parallelism and print one JSON line per step.
 
-    python -m harness.reference --ep 2 --ranks 2 --steps 5
-    python -m harness.reference --ep 2 --ranks 1 --steps 5   # same output, bit for bit
-    python -m harness.reference --ep 2 --steps 5 --chunks 2 --chunking graph   # = --chunking eager
+python -m harness.reference --ep 2 --ranks 2 --steps 5
+python -m harness.reference --ep 2 --ranks 1 --steps 5   # same output, bit for bit
+python -m harness.reference --ep 2 --steps 5 --chunks 2 --chunking graph   # = --chunking eager
 """
 
 from __future__ import annotations
 
 import argparse
+
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
 from harness.reference.train import CHUNKINGS, ROUTINGS, TrainConfig, print_trajectory

@@ -107,7 +107,9 @@ class RMSNorm(nn.Module):
 
 
 def rope_cos_sin(cfg: DeepseekV3Config, seq_len: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, cfg.qk_rope_head_dim, 2, device=device).float() / cfg.qk_rope_head_dim))
+    inv_freq = 1.0 / (
+        cfg.rope_theta ** (torch.arange(0, cfg.qk_rope_head_dim, 2, device=device).float() / cfg.qk_rope_head_dim)
+    )
     freqs = torch.outer(torch.arange(seq_len, device=device).float(), inv_freq)
     return freqs.cos(), freqs.sin()
 
@@ -314,7 +316,9 @@ class MoE(nn.Module):
         s["expert_out"] = out.index_select(0, torch.argsort(by_expert))
 
     def _launch_combine(self, s: dict) -> None:
-        s["pending"] = ep_ops.combine(s["expert_out"], s["recv_counts"], s["send_counts"], s["send"].shape[0], s["buffer_set"])
+        s["pending"] = ep_ops.combine(
+            s["expert_out"], s["recv_counts"], s["send_counts"], s["send"].shape[0], s["buffer_set"]
+        )
 
     def _wait_combine(self, s: dict) -> None:
         s["combined"] = ep_ops.wait_combine(s["pending"], s["buffer_set"])
@@ -322,7 +326,9 @@ class MoE(nn.Module):
     def _unpermute(self, s: dict) -> None:
         k = self.cfg.num_experts_per_tok
         per_assignment = s["combined"].index_select(0, torch.argsort(s["order"]))
-        routed = (per_assignment.view(-1, k, per_assignment.shape[-1]) * s["weights"].unsqueeze(-1).to(per_assignment.dtype)).sum(1)
+        routed = (
+            per_assignment.view(-1, k, per_assignment.shape[-1]) * s["weights"].unsqueeze(-1).to(per_assignment.dtype)
+        ).sum(1)
         s["out"] = (routed + s["shared"]).view(s["shape"])
 
 
@@ -330,7 +336,9 @@ class DecoderLayer(nn.Module):
     def __init__(self, cfg: DeepseekV3Config, layer: int, ep_rank: int, ep_size: int) -> None:
         super().__init__()
         self.self_attn = MLAttention(cfg)
-        self.mlp = MoE(cfg, ep_rank, ep_size) if cfg.is_moe_layer(layer) else MLP(cfg.hidden_size, cfg.intermediate_size)
+        self.mlp = (
+            MoE(cfg, ep_rank, ep_size) if cfg.is_moe_layer(layer) else MLP(cfg.hidden_size, cfg.intermediate_size)
+        )
         if isinstance(self.mlp, MoE):
             self.mlp.layer_id = layer
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
@@ -354,7 +362,11 @@ class DecoderLayer(nn.Module):
             moe_stages[-1].run(s)
             s["out"] = s["h"] + s["out"]
 
-        return [Stage("compute", "attention+route", pre), *moe_stages[1:-1], Stage("compute", "unpermute+residual", post)]
+        return [
+            Stage("compute", "attention+route", pre),
+            *moe_stages[1:-1],
+            Stage("compute", "unpermute+residual", post),
+        ]
 
 
 class DeepseekV3Model(nn.Module):

@@ -79,7 +79,9 @@ class VersionedTrainer(Trainer):
       forwards of each logical rank since the previous record; ``step_time_s`` likewise.
     """
 
-    def __init__(self, config: PipelineConfig, event_sink: EventSink | None = None, grad_sink: GradSink | None = None) -> None:
+    def __init__(
+        self, config: PipelineConfig, event_sink: EventSink | None = None, grad_sink: GradSink | None = None
+    ) -> None:
         super().__init__(config, event_sink, grad_sink)
         self.config: PipelineConfig = config
         self.engines = {

@@ -72,9 +72,13 @@ class TrainConfig:
         if self.fault != "none" and self.chunking != "graph":
             raise ValueError(f"fault {self.fault!r} breaks a graph pass: it needs chunking = 'graph'")
         if self.chunking in TRACED and self.routing != "forced-balanced":
-            raise ValueError(f"chunking {self.chunking!r} traces static exchange sizes: it needs forced-balanced routing")
+            raise ValueError(
+                f"chunking {self.chunking!r} traces static exchange sizes: it needs forced-balanced routing"
+            )
         if self.compile_attention and self.chunking in TRACED and self.chunk_roots == "block":
-            raise ValueError("compile_attention of a traced arm needs chunk_roots = 'moe': attention must stay unchunked")
+            raise ValueError(
+                "compile_attention of a traced arm needs chunk_roots = 'moe': attention must stay unchunked"
+            )
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {tuple(DTYPES)}, got {self.dtype!r}")
         if self.ep < 1 or self.chunks < 1 or self.num_buffer_sets < 1:
@@ -107,7 +111,9 @@ def synthetic_batch(config: TrainConfig, vocab: int, step: int, rank: int) -> tu
 class _Replica:
     """One logical rank: its model (dense weights replicated, its own experts), optimizer, exchange."""
 
-    def __init__(self, config: TrainConfig, group: LogicalGroup, rank: int, device: torch.device, sink: EventSink | None) -> None:
+    def __init__(
+        self, config: TrainConfig, group: LogicalGroup, rank: int, device: torch.device, sink: EventSink | None
+    ) -> None:
         cfg = get_config(config.model)
         self.model = DeepseekV3ForCausalLM(cfg, ep_rank=rank, ep_size=config.ep)
         self.model.init_weights(torch.Generator().manual_seed(config.seed))

@@ -79,7 +79,9 @@ def gradient_age(origin: Version, current: Version, max_gradient_staleness: int)
         )
     age = current.revision - origin.revision
     if age < 0:
-        raise VersionError(f"forward at revision {origin.revision} is newer than the parameters (revision {current.revision})")
+        raise VersionError(
+            f"forward at revision {origin.revision} is newer than the parameters (revision {current.revision})"
+        )
     if age > max_gradient_staleness:
         raise VersionError(f"gradient staleness {age} exceeds max_gradient_staleness {max_gradient_staleness}")
     return age
@@ -111,7 +113,9 @@ def agree(vote: Vote, error: str, what: str) -> None:
         raise CommitRefused(f"{what} refused, nothing applied on any rank: " + "; ".join(failed))
 
 
-def correction_weight(lp_now: torch.Tensor, lp_then: torch.Tensor, clip: float = 5.0) -> tuple[torch.Tensor, torch.Tensor]:
+def correction_weight(
+    lp_now: torch.Tensor, lp_then: torch.Tensor, clip: float = 5.0
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-token importance weight ``clamp(exp(lp_now - lp_then), 0, clip)`` (fp32, detached), and
     which tokens were clipped (``exp`` is never negative, so only the upper bound ever clips)."""
     raw = torch.exp(lp_now.detach().float() - lp_then.detach().float())
@@ -150,7 +154,9 @@ def lm_loss(
     logprobs = torch.log_softmax(logits.flatten(0, 1).float(), dim=-1)
     targets = labels.flatten()
     selected = logprobs.detach().gather(1, targets.unsqueeze(1)).squeeze(1)
-    return F.nll_loss(_ScaleCotangent.apply(logprobs, cotangent if cotangent is not None else Cotangent()), targets), selected
+    return F.nll_loss(
+        _ScaleCotangent.apply(logprobs, cotangent if cotangent is not None else Cotangent()), targets
+    ), selected
 
 
 class _RngState(NamedTuple):
@@ -374,7 +380,9 @@ class VersionedModel:
         agree(vote, error, "backward")
         return ages
 
-    def backward(self, records: Sequence[ForwardRecord], vote: Vote, *, apply_twice_batch: int | None = None) -> Applied:
+    def backward(
+        self, records: Sequence[ForwardRecord], vote: Vote, *, apply_twice_batch: int | None = None
+    ) -> Applied:
         """Backward ``records`` in creation order and publish their summed gradients to ``.grad``.
 
         Every rank must call this with the same number of records, so collectives inside the
@@ -431,7 +439,9 @@ class VersionedModel:
             loss, _ = self._loss(record.snapshot, record.inputs, record.labels, cotangent)
         self.recomputes += 1
         if not torch.equal(loss.detach().view(torch.int32), record.loss.view(torch.int32)):
-            raise RuntimeError(f"replay of batch {record.batch} diverged: loss {float(loss)} != {float(record.loss)} at forward")
+            raise RuntimeError(
+                f"replay of batch {record.batch} diverged: loss {float(loss)} != {float(record.loss)} at forward"
+            )
         return _Graph(loss, cotangent)
 
     # -- updates -------------------------------------------------------------------------------

@@ -37,7 +37,9 @@ def _metric_names(metrics: dict[str, pd.DataFrame]) -> list[str]:
     return [m for m in _FIRST_METRICS if m in names] + sorted(names - set(_FIRST_METRICS))
 
 
-def _differences(metric: str, metrics: dict[str, pd.DataFrame], golden: dict[str, pd.DataFrame]) -> list[tuple[str, pd.Series]]:
+def _differences(
+    metric: str, metrics: dict[str, pd.DataFrame], golden: dict[str, pd.DataFrame]
+) -> list[tuple[str, pd.Series]]:
     """|arm - first arm| for every other arm, and |arm - golden| where a golden exists, on common steps."""
     arms = [a for a, frame in metrics.items() if metric in frame.columns]
     pairs = [(f"|{arm} - {arms[0]}|", metrics[arm][metric], metrics[arms[0]][metric]) for arm in arms[1:]]
@@ -70,7 +72,9 @@ def _plot(metric: str, metrics: dict[str, pd.DataFrame], golden: dict[str, pd.Da
             ax_values.plot(frame.index, frame[metric], marker=marker, label=_label(arm))
     for arm, frame in golden.items():
         if metric in frame.columns:
-            ax_values.plot(frame.index, frame[metric], linestyle="--", color="black", alpha=0.6, label=_label(f"golden {arm}"))
+            ax_values.plot(
+                frame.index, frame[metric], linestyle="--", color="black", alpha=0.6, label=_label(f"golden {arm}")
+            )
     ax_values.set(title=_label(metric), xlabel="step")
     ax_values.legend(fontsize="small")
 
@@ -89,7 +93,14 @@ def _plot(metric: str, metrics: dict[str, pd.DataFrame], golden: dict[str, pd.Da
             (line,) = ax_diff.plot(diff.index, diff.where(diff > 0), marker=marker, label=_label(label))
             zeros = diff.index[diff == 0]
             if len(zeros):
-                ax_diff.scatter(zeros, np.full(len(zeros), floor), marker="v", s=12, color=line.get_color(), label=_label(f"{label} = 0"))
+                ax_diff.scatter(
+                    zeros,
+                    np.full(len(zeros), floor),
+                    marker="v",
+                    s=12,
+                    color=line.get_color(),
+                    label=_label(f"{label} = 0"),
+                )
         ax_diff.axhline(floor, color="grey", linewidth=0.5)
         ax_diff.legend(fontsize="small")
     buf = io.BytesIO()
@@ -104,7 +115,9 @@ def _cell(value: object) -> str:
     return str(value)
 
 
-def _step_table(names: list[str], metrics: dict[str, pd.DataFrame], golden: dict[str, pd.DataFrame]) -> tuple[list[tuple[str, list[str]]], pd.DataFrame]:
+def _step_table(
+    names: list[str], metrics: dict[str, pd.DataFrame], golden: dict[str, pd.DataFrame]
+) -> tuple[list[tuple[str, list[str]]], pd.DataFrame]:
     """Wide table step x (metric, arm); golden columns follow the arms."""
     columns = {}
     for name in names:
@@ -131,7 +144,11 @@ def write_html(
     names = _metric_names(metrics)
     headers, table = _step_table(names, metrics, golden)
     checks = problems_first(summary.get("checks", []))
-    divergent = {c["first_divergent_step"] for c in checks if c.get("status") == "fail" and c.get("first_divergent_step") is not None}
+    divergent = {
+        c["first_divergent_step"]
+        for c in checks
+        if c.get("status") == "fail" and c.get("first_divergent_step") is not None
+    }
     rows = [
         {"step": step, "divergent": step in divergent, "cells": [_cell(v) for v in row]}
         for step, row in zip(table.index, table.astype(object).itertuples(index=False))

@@ -50,11 +50,15 @@ def write_junit(path: Path, summary: dict) -> None:
         time=f"{float(summary.get('duration_s') or 0.0):.3f}",
     )
     for check in checks:
-        case = ET.SubElement(testsuite, "testcase", classname=_text(suite), name=_text(check.get("name", "?")), time="0")
+        case = ET.SubElement(
+            testsuite, "testcase", classname=_text(suite), name=_text(check.get("name", "?")), time="0"
+        )
         status = check.get("status")
         detail = _text(check.get("detail", ""))
         if status in ("fail", "error"):
-            element = ET.SubElement(case, "failure" if status == "fail" else "error", message=detail, type=_text(check.get("kind", "")))
+            element = ET.SubElement(
+                case, "failure" if status == "fail" else "error", message=detail, type=_text(check.get("kind", ""))
+            )
             element.text = _text(_failure_body(check))
         elif status == "skip":
             ET.SubElement(case, "skipped", message=detail)

@@ -18,6 +18,7 @@ from torch import fx
 from harness.reference.chunking.graph import ExchangeMarkers, buffer_set_of, match_root, owner_of
 from harness.reference.chunking.trace import is_backward, node_fqn
 
+
 @dataclass
 class GraphCheck:
     """One static check of a graph: ``status`` is "pass" or "fail"; ``problems`` lists what failed."""
@@ -58,7 +59,15 @@ def check_exchange_counts(
     """Each root has exactly ``expected[phase]`` launches and waits per chunk (``chunks=None``: unchunked)."""
     actual = exchange_inventory(gm, markers, root_pattern)
     chunk_ids: list[int | None] = [None] if chunks is None else list(range(chunks))
-    want = Counter({(root, phase, c, op): n for root in roots for phase, ops in expected.items() for c in chunk_ids for op, n in ops.items()})
+    want = Counter(
+        {
+            (root, phase, c, op): n
+            for root in roots
+            for phase, ops in expected.items()
+            for c in chunk_ids
+            for op, n in ops.items()
+        }
+    )
     problems = []
     for key in sorted(want.keys() | actual.keys(), key=str):
         if want[key] != actual[key]:
@@ -78,7 +87,9 @@ def check_launch_wait_pairs(gm: fx.GraphModule, markers: ExchangeMarkers) -> Gra
     for launch in launches:
         waits = [u for u in launch.users if markers.is_wait(u)]
         if len(waits) != 1 or len(launch.users) != 1:
-            problems.append(f"launch {launch.name} has {len(waits)} waits among its users {[u.name for u in launch.users]}")
+            problems.append(
+                f"launch {launch.name} has {len(waits)} waits among its users {[u.name for u in launch.users]}"
+            )
         elif position[waits[0]] < position[launch]:
             problems.append(f"wait {waits[0].name} comes before its launch {launch.name}")
     for wait in (n for n in gm.graph.nodes if markers.is_wait(n)):
@@ -88,7 +99,8 @@ def check_launch_wait_pairs(gm: fx.GraphModule, markers: ExchangeMarkers) -> Gra
 
 
 def check_buffer_sets(gm: fx.GraphModule, markers: ExchangeMarkers, num_buffer_sets: int) -> GraphCheck:
-    """Chunk c's exchanges use set ``c % num_buffer_sets``, so consecutive chunks alternate; no set is reused in flight."""
+    """Chunk c's exchanges use set ``c % num_buffer_sets``, so consecutive chunks alternate;
+    no set is reused in flight."""
     problems = []
     used: dict[tuple[str, bool], dict[int, set[int]]] = defaultdict(lambda: defaultdict(set))
     in_flight: dict[tuple[str, int], fx.Node] = {}
@@ -101,11 +113,17 @@ def check_buffer_sets(gm: fx.GraphModule, markers: ExchangeMarkers, num_buffer_s
             continue
         used[(owner.root, owner.backward)][owner.chunk].add(buffer_set)
         if buffer_set != owner.chunk % num_buffer_sets:
-            problems.append(f"{node.name} of chunk {owner.chunk} uses buffer set {buffer_set}, expected {owner.chunk % num_buffer_sets}")
+            problems.append(
+                f"{node.name} of chunk {owner.chunk} uses buffer set {buffer_set},"
+                f" expected {owner.chunk % num_buffer_sets}"
+            )
         slot = (markers.pool(node), buffer_set)
         if markers.is_launch(node):
             if slot in in_flight:
-                problems.append(f"{node.name} launches into {slot[0]} buffer set {buffer_set} while {in_flight[slot].name} is in flight")
+                problems.append(
+                    f"{node.name} launches into {slot[0]} buffer set {buffer_set}"
+                    f" while {in_flight[slot].name} is in flight"
+                )
             in_flight[slot] = node
         elif in_flight.get(slot) is node.args[0]:
             del in_flight[slot]
@@ -113,8 +131,14 @@ def check_buffer_sets(gm: fx.GraphModule, markers: ExchangeMarkers, num_buffer_s
         chunks = sorted(sets)
         for a, b in zip(chunks, chunks[1:]):
             if num_buffer_sets > 1 and sets[a] == sets[b]:
-                problems.append(f"{root} {'bwd' if backward else 'fwd'}: chunks {a} and {b} both use buffer sets {sorted(sets[a])}")
-    return _result("graph:buffer-sets", problems, f"{len(used)} regions alternate {num_buffer_sets} buffer sets, none reused in flight")
+                problems.append(
+                    f"{root} {'bwd' if backward else 'fwd'}: chunks {a} and {b} both use buffer sets {sorted(sets[a])}"
+                )
+    return _result(
+        "graph:buffer-sets",
+        problems,
+        f"{len(used)} regions alternate {num_buffer_sets} buffer sets, none reused in flight",
+    )
 
 
 def check_chunk_order(gm: fx.GraphModule, markers: ExchangeMarkers) -> GraphCheck:
@@ -129,5 +153,9 @@ def check_chunk_order(gm: fx.GraphModule, markers: ExchangeMarkers) -> GraphChec
     for (root, backward), chunks in first_launch.items():
         expected = sorted(chunks, reverse=backward)
         if chunks != expected:
-            problems.append(f"{root} {'bwd' if backward else 'fwd'}: chunks launch in order {chunks}, expected {expected}")
-    return _result("graph:chunk-order", problems, f"{len(first_launch)} regions: forward chunks ascending, backward descending")
+            problems.append(
+                f"{root} {'bwd' if backward else 'fwd'}: chunks launch in order {chunks}, expected {expected}"
+            )
+    return _result(
+        "graph:chunk-order", problems, f"{len(first_launch)} regions: forward chunks ascending, backward descending"
+    )

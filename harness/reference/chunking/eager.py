@@ -36,7 +36,9 @@ def _annotate(metadata: dict) -> contextlib.AbstractContextManager:
     return fx_traceback.annotate(metadata) if fx_traceback.has_preserved_node_meta() else contextlib.nullcontext()
 
 
-def run_chunked(module: nn.Module, fqn: str, layer: int, x: torch.Tensor, chunks: int, dim: int, scheduler: EPScheduler) -> torch.Tensor:
+def run_chunked(
+    module: nn.Module, fqn: str, layer: int, x: torch.Tensor, chunks: int, dim: int, scheduler: EPScheduler
+) -> torch.Tensor:
     if x.shape[dim] % chunks:
         raise ValueError(f"{fqn}: dim {dim} of size {x.shape[dim]} does not split into {chunks} chunks")
     states = [{"x": part, "buffer_set": scheduler.buffer_set(c)} for c, part in enumerate(x.chunk(chunks, dim))]

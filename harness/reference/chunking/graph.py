@@ -116,7 +116,9 @@ def find_regions(gm: fx.GraphModule, symbol: sympy.Symbol, root_pattern: str, is
         bodies[key] = _close_over_paths(gm.graph, set(body))
     mutating = [n.name for body in bodies.values() for n in body if _mutates(n)]
     if mutating:
-        raise ChunkingError(f"region bodies mutate in place ({mutating[:3]}): their chunks would need chaining, not cloning")
+        raise ChunkingError(
+            f"region bodies mutate in place ({mutating[:3]}): their chunks would need chaining, not cloning"
+        )
     return [Region(root, bwd, bodies[(root, bwd)]) for root, bwd in sorted(keys, key=lambda k: (k[1], k[0]))]
 
 
@@ -242,11 +244,16 @@ class _Cloner:
             return [arg] * self.chunks
         dim = self._chunk_dim(arg, value)
         length = self.graph.call_function(aten.sym_size.int, (arg, dim))
-        parts = self.graph.call_function(aten.split.Tensor, (arg, self.graph.call_function(operator.floordiv, (length, self.chunks)), dim))
+        parts = self.graph.call_function(
+            aten.split.Tensor, (arg, self.graph.call_function(operator.floordiv, (length, self.chunks)), dim)
+        )
         pieces = [self.graph.call_function(operator.getitem, (parts, c)) for c in range(self.chunks)]
         if dim != 0 and value.is_contiguous():
             # The body was traced on a contiguous value and may view it as such; so must a chunk.
-            pieces = [self.graph.call_function(aten.clone.default, (p,), {"memory_format": torch.contiguous_format}) for p in pieces]
+            pieces = [
+                self.graph.call_function(aten.clone.default, (p,), {"memory_format": torch.contiguous_format})
+                for p in pieces
+            ]
         for c, piece in enumerate(pieces):
             _tag(piece, arg, c, region.root, "split")
         return pieces
@@ -266,7 +273,9 @@ class _Cloner:
             for copy in reversed(copies[:-1]):
                 joined = self.graph.call_function(aten.add.Tensor, (joined, copy))
         else:
-            raise ChunkingError(f"{node.name} ({node.target}) of {region.name} is used outside it and cannot be re-joined")
+            raise ChunkingError(
+                f"{node.name} ({node.target}) of {region.name} is used outside it and cannot be re-joined"
+            )
         joined.meta.update(val=value, custom={"region": region.root, "role": "join", "producer": "graph"})
         return joined
 
@@ -277,7 +286,9 @@ class _Cloner:
             dim, expr = dims[0], _size_expr(value.shape[dims[0]])
             if expr == self.symbol or (dim == 0 and self._leading and (expr / self.symbol).is_Integer):
                 return dim
-        raise ChunkingError(f"{node.name}: cannot split or join shape {tuple(value.shape)} along the chunk symbol {self.symbol}")
+        raise ChunkingError(
+            f"{node.name}: cannot split or join shape {tuple(value.shape)} along the chunk symbol {self.symbol}"
+        )
 
     @property
     def _leading(self) -> bool:
@@ -404,7 +415,9 @@ def schedule_regions(gm: fx.GraphModule, scheduler: EPScheduler, markers: Exchan
     position = {node: i for i, node in enumerate(gm.graph.nodes)}
     for (root, backward), order in scheduled.items():
         if sorted(order, key=position.__getitem__) != order:
-            raise ChunkingError(f"{root} {'bwd' if backward else 'fwd'}: dependencies outside its chunks contradict the schedule")
+            raise ChunkingError(
+                f"{root} {'bwd' if backward else 'fwd'}: dependencies outside its chunks contradict the schedule"
+            )
     gm.graph.lint()
     gm.recompile()
 

@@ -113,7 +113,12 @@ def build_graph_step(
     symbolic = chunk_dim if mode == "graph" else None
     traced = trace_train_step(model, batch, loss_fn, loss_divisor=loss_divisor, chunk_dim=symbolic)
     return compile_graph_step(
-        traced, model, chunks=chunks, chunk_roots=chunk_roots, num_buffer_sets=num_buffer_sets, fault=fault,
+        traced,
+        model,
+        chunks=chunks,
+        chunk_roots=chunk_roots,
+        num_buffer_sets=num_buffer_sets,
+        fault=fault,
         inductor_pattern=inductor_pattern,
     )
 
@@ -145,7 +150,11 @@ def compile_graph_step(
         unchunked = check_exchange_counts(gm, MARKERS, chunks=None, **count)
         checks.append(replace(unchunked, name="graph:unchunked-exchange-counts"))
         chunk_regions(
-            gm, symbol=traced.symbol, chunks=chunks, root_pattern=pattern, is_launch=MARKERS.is_launch,
+            gm,
+            symbol=traced.symbol,
+            chunks=chunks,
+            root_pattern=pattern,
+            is_launch=MARKERS.is_launch,
             backward=fault != "clone-forward-only",
         )
         checks.append(_buffer_set_pass(gm, num_buffer_sets, skip=fault == "skip-buffer-pass"))
@@ -200,9 +209,14 @@ def compile_regions(gm: fx.GraphModule, pattern: str) -> fx.GraphModule:
     for node in gm.graph.nodes:
         if node.op == "call_function" and (root := match_root(node_fqn(node), pattern)):
             if owner_of(node) is not None:
-                raise ChunkingError(f"{node.name} of {root} is in a chunk body: compile regions outside the chunked ones")
+                raise ChunkingError(
+                    f"{node.name} of {root} is in a chunk body: compile regions outside the chunked ones"
+                )
             region_id = f"{root} {'bwd' if is_backward(node) else 'fwd'}"
-            node.meta["custom"] = {**(node.meta.get("custom") or {}), "compile_with_inductor": {"inductor_region": region_id}}
+            node.meta["custom"] = {
+                **(node.meta.get("custom") or {}),
+                "compile_with_inductor": {"inductor_region": region_id},
+            }
             marked += 1
     if not marked:
         raise ChunkingError(f"no nodes of modules matching {pattern!r} to compile")
@@ -220,4 +234,3 @@ def mark_exchange_regions(gm: fx.GraphModule, layer_of: Callable[[str], int]) ->
             with gm.graph.inserting_before(node):
                 gm.graph.call_function(set_region, where)
     gm.recompile()
-

@@ -132,7 +132,9 @@ def check_chunkable(traced: TracedStep, chunks: int) -> None:
         raise ValueError(f"chunk dim of size {traced.size} does not split into {chunks} chunks")
     broken = [g for g in traced.guards if not bool(g.subs(traced.symbol, traced.size // chunks))]
     if broken:
-        raise ValueError(f"the trace assumed {broken} about the chunk size, which a chunk of {traced.size // chunks} breaks")
+        raise ValueError(
+            f"the trace assumed {broken} about the chunk size, which a chunk of {traced.size // chunks} breaks"
+        )
 
 
 def node_fqn(node: fx.Node) -> str:

@@ -143,9 +143,7 @@ class TokenExchange:
         earlier = self._in_flight.get(key)
         if earlier is not None:
             earlier.wait()  # writes to one pool land in launch order: a reuse overwrites, predictably
-        self._in_flight[key] = self.group.all_to_all(
-            self.rank, x.contiguous(), send_counts.tolist(), recv, pool
-        )
+        self._in_flight[key] = self.group.all_to_all(self.rank, x.contiguous(), send_counts.tolist(), recv, pool)
         self._emit(op_name, "launch", buffer_set, rows)
         return x.new_empty((rows, x.shape[-1]))
 

@@ -120,7 +120,9 @@ class LogicalGroup:
         any_send = next(iter(items.values()))[0]
         send_parts = [pieces[s][d] for q in range(self.processes) for s in local for d in self._ranks_of(q)]
         staging_in = torch.cat(send_parts) if send_parts else any_send.new_empty((0, *any_send.shape[1:]))
-        in_splits = [sum(pieces[s][d].shape[0] for s in local for d in self._ranks_of(q)) for q in range(self.processes)]
+        in_splits = [
+            sum(pieces[s][d].shape[0] for s in local for d in self._ranks_of(q)) for q in range(self.processes)
+        ]
         # From process q come (src s in q, local dst d) pieces, sized by the receivers' counts.
         recv_rows = {(s, d): items[d][2][s] for d in local for s in range(self.ep)}
         out_splits = [sum(recv_rows[(s, d)] for s in self._ranks_of(q) for d in local) for q in range(self.processes)]

@@ -77,7 +77,9 @@ def _reverse_backward(name: str):
 
     def backward(ctx, grad: Tensor):
         with region(**{**ctx.region, "phase": "bwd"}):
-            pending = _launch[reverse](grad.contiguous(), ctx.recv_counts, ctx.send_counts, ctx.send_rows, ctx.buffer_set)
+            pending = _launch[reverse](
+                grad.contiguous(), ctx.recv_counts, ctx.send_counts, ctx.send_rows, ctx.buffer_set
+            )
             return _wait[reverse](pending, ctx.buffer_set), None, None, None, None
 
     return backward
