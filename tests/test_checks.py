@@ -4,8 +4,12 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pandas as pd
+
 from harness.checks import run_check
+from harness.environment import CpuPin
 from harness.records import ArmRecords
+from harness.run import record_checks
 from harness.suites import load_suite
 
 SUITE = """
@@ -64,3 +68,17 @@ def test_unreadable_records_are_an_error_not_a_skip(tmp_path: Path) -> None:
     records = {arm: ArmRecords(error=f"unreadable records of arm '{arm}': bad line") for arm in suite.arms}
     [result] = run_check(suite.checks[0], suite, records)
     assert result.status == "error" and "bad line" in result.detail
+
+
+def test_an_arm_short_of_steps_fails_and_kernels_off_the_pin_are_an_error(tmp_path: Path) -> None:
+    suite = _suite(tmp_path)
+    pin = CpuPin("avx2", "avx2", {"ATEN_CPU_CAPABILITY": "avx2"})
+    complete = ArmRecords(metrics=pd.DataFrame({"loss": [1.0, 1.0, 1.0]}, index=pd.Index([1, 2, 3], name="step")))
+    complete.cpu_capability = "avx2"
+    short = ArmRecords(metrics=complete.metrics.head(1), cpu_capability="avx512")
+    results = record_checks(suite, {"eager": complete, "graph": short}, pin, crashed=False)
+    assert [(r.name, r.status) for r in results] == [("records: graph", "fail"), ("cpu-isa: graph", "error")]
+    assert results[0].detail == "arm 'graph' recorded 1 of 3 steps, and no rank failed"
+    assert results[1].detail == "arm 'graph' ran on avx512 kernels, not the pinned avx2"
+    crashed = record_checks(suite, {"eager": complete, "graph": short}, None, crashed=True)
+    assert crashed == []  # the rank failure already says why; the run exits 3, not 1

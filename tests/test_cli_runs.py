@@ -282,3 +282,42 @@ def test_timeout_while_ranks_start_says_no_stack_was_dumped(run_harness, tmp_pat
     error = run.summary(out)["launches"][0]["error"]
     assert "ranks [0, 1]: no stack (still starting up, before the dump handler)" in error
     assert "stacks dumped" not in error
+
+
+HARNESS_BUG = """
+import harness.run
+
+
+def broken_check(check, suite, records):
+    raise TypeError("unsupported operand type(s) for +: 'int' and 'NoneType'")
+
+
+harness.run.run_check = broken_check
+"""
+
+
+def test_error_inside_the_harness_is_exit_3_with_one_line_and_a_logged_traceback(run_harness, tmp_path: Path) -> None:
+    (tmp_path / "bug").mkdir()
+    (tmp_path / "bug" / "sitecustomize.py").write_text(HARNESS_BUG)
+    out = tmp_path / "run"
+    run = run_harness(
+        "run", "determinism", "--ranks", 1, "--steps", 1, "--out", out, env={"PYTHONPATH": tmp_path / "bug"}
+    )
+    assert run.returncode == 3, run.stdout + run.stderr
+    summary = run.summary(out)
+    assert summary["verdict"] == "error" and summary["checks"][0]["kind"] == "internal-error"
+    assert "Traceback (most recent call last)" in (out / "logs" / "harness.log").read_text()
+    assert "Traceback" not in run.stdout + run.stderr
+    assert (out / "junit.xml").is_file() and (out / "report.html").is_file()
+
+
+def test_error_before_the_run_directory_exists_names_its_traceback_file(run_harness, tmp_path: Path) -> None:
+    (tmp_path / "bug").mkdir()
+    bug = "import harness.suites\n\ndef broken(*args, **kwargs):\n    raise KeyError('model')\n\n"
+    bug += "harness.suites.load_suite = broken\n"
+    (tmp_path / "bug" / "sitecustomize.py").write_text(bug)
+    run = run_harness("run", "determinism", env={"PYTHONPATH": tmp_path / "bug"})
+    assert run.returncode == 3 and len(run.stderr.splitlines()) == 1, run.stderr
+    assert run.stderr.startswith("error: internal error: KeyError: 'model' (traceback: ")
+    log = Path(run.stderr.rstrip().removesuffix(")").rsplit("traceback: ", 1)[1])
+    assert "Traceback (most recent call last)" in log.read_text()
