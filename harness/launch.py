@@ -330,10 +330,12 @@ def launch_group(
     oom_during = (oom_kills() or 0) - (oom_before or 0)
     described = _describe_failures(run_dir, group, failures, exits.died_at)
     result = LaunchResult(group, time.monotonic() - start, watchdog.fired, failures=described)
-    if result.root is not None:
+    if watchdog.fired:
+        result.verdict = Verdict(INFRASTRUCTURE, "timeout")
+    elif result.root is not None:
         result.verdict = classify(result.root.exitcode, result.root.traceback, oom_during)
-    elif watchdog.fired or launch_error:
-        result.verdict = Verdict(INFRASTRUCTURE, "timeout" if watchdog.fired else "launch failure")
+    elif launch_error:
+        result.verdict = Verdict(INFRASTRUCTURE, "launch failure")
     result.headline, result.error = _explain(result, timeout_s, launch_error, watchdog)
     return result
 

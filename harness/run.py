@@ -381,9 +381,7 @@ def build_summary(
                 "duration_s": round(r.duration_s, 3),
                 "timed_out": r.timed_out,
                 "error": r.error,
-                "root_cause": dataclasses.asdict(r.verdict) | {"rank": r.root.rank if r.root else None}
-                if r.verdict
-                else None,
+                "root_cause": _root_cause(r),
             }
             for r in launches
         ],
@@ -391,6 +389,14 @@ def build_summary(
         "counts": {s: sum(c.status == s for c in checks) for s in ("pass", "fail", "error", "skip")},
         "checks": [c.to_dict() for c in checks],
     }
+
+
+def _root_cause(result: LaunchResult) -> dict | None:
+    """How a failed launch is judged, and the rank that died first (none for a timeout: all hung)."""
+    if result.verdict is None:
+        return None
+    rank = result.root.rank if result.root and not result.timed_out else None
+    return {**dataclasses.asdict(result.verdict), "rank": rank}
 
 
 def finish(

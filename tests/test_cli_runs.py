@@ -136,6 +136,8 @@ def test_rank_that_hangs_is_dumped_and_killed_at_the_timeout(run_harness, proces
     assert run.returncode == 3, run.stdout + run.stderr
     summary = run.summary(out)
     assert summary["launches"][0]["timed_out"]
+    assert summary["launches"][0]["root_cause"] == {"kind": "infrastructure", "reason": "timeout", "rank": None}
+    assert "ranks [0, 1]: Python stacks dumped to logs/procs/rank<k>.log" in summary["launches"][0]["error"]
     assert summary["duration_s"] < HANG_TIMEOUT_S + 5
     assert run.elapsed_s < HANG_TIMEOUT_S + 20  # + interpreter start-up, report writing
     logs = {k: (out / "logs" / "procs" / f"rank{k}.log").read_text() for k in (0, 1)}
