@@ -167,8 +167,3 @@ def main(argv: list[str]) -> None:
 
 if __name__ == "__main__":
     main(sys.argv[1:])
-    # Every record is flushed and the process group is gone. Skip interpreter finalisation:
-    # C++ static destructors of torch/gloo threads occasionally abort there ("terminate called
-    # without an active exception"), which would turn a finished run into a false rank crash.
-    sys.stdout.flush()
-    os._exit(0)

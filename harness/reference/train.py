@@ -20,6 +20,14 @@ from dataclasses import asdict, dataclass
 from typing import Callable
 
 import torch
+
+# torch.distributed.nn.functional binds ``group=group.WORLD`` as default arguments when it is first
+# imported; torch._dynamo imports it, and so does torch.use_deterministic_algorithms (through
+# torch._inductor.config). Imported after init_process_group, it would hold the default gloo group
+# for good: destroy_process_group no longer frees it, its worker threads outlive the interpreter,
+# and one still releasing a collective's tensors at shutdown calls std::terminate (SIGABRT after
+# all the work is done). Imported here, before any process group exists, the defaults bind None.
+import torch._inductor.config  # noqa: F401
 import torch.distributed as dist
 
 from harness.reference.chunking.eager import SPLIT_DIMS, apply_eager_chunking
