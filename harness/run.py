@@ -293,6 +293,13 @@ def cancelled_check(cancelled: Cancelled, elapsed_s: float) -> CheckResult:
     return CheckResult("cancelled", "cancelled", "error", detail)
 
 
+def mark_cancelled(summary: dict, cancelled: Cancelled) -> None:
+    """A signal after the checks ran: the run ends cancelled, its checks kept for the record."""
+    check = cancelled_check(cancelled, summary["duration_s"])
+    summary.update(verdict="cancelled", exit_code=cancelled.exit_code, checks=[*summary["checks"], check.to_dict()])
+    summary["counts"]["error"] += 1
+
+
 def run_suite(suite: SuiteSpec, options: RunOptions, out: TextIO = sys.stdout, err: TextIO = sys.stderr) -> int:
     """Runs a validated suite end to end and returns the exit code; raises UsageError or
     GoldenError (exit 2) before launching."""
@@ -336,11 +343,12 @@ def run_suite(suite: SuiteSpec, options: RunOptions, out: TextIO = sys.stdout, e
         metrics = {arm: rec.metrics for arm, rec in records.items() if rec.steps_done()}
         news = None
         if golden.mode == "update":
-            news = (
-                update_golden(golden, suite, manifest, metrics)
-                if exit_code == EXIT_PASS
-                else f"not updating {golden.path}: the run did not pass"
-            )
+            news = f"not updating {golden.path}: the run did not pass"
+            try:
+                news = update_golden(golden, suite, manifest, metrics) if exit_code == EXIT_PASS else news
+            except Cancelled as c:  # the golden is replaced atomically: the old one stays
+                mark_cancelled(summary, c)
+                news = f"not updating {golden.path}: {c}"
         exit_code = finish(run_dir, summary, manifest, metrics, golden.golden if golden.mode == "check" else None, err)
     print(format_verdict_table(summary), file=out)
     if news:
@@ -415,8 +423,7 @@ def finish(
             write_html(run_dir / "report.html", summary, metrics, golden=golden_frames(golden), manifest=manifest)
             return summary["exit_code"]
         except Cancelled as c:
-            check = cancelled_check(c, summary["duration_s"])
-            summary.update(verdict="cancelled", exit_code=c.exit_code, checks=[*summary["checks"], check.to_dict()])
+            mark_cancelled(summary, c)
         except Exception as e:
             log.exception("writing the run's outputs failed")
             print(
@@ -427,6 +434,7 @@ def finish(
                     "outputs", "outputs", "error", f"writing the outputs failed: {type(e).__name__}: {e}"
                 )
                 summary.update(verdict="error", exit_code=EXIT_INFRA, checks=[*summary["checks"], check.to_dict()])
+                summary["counts"]["error"] += 1
                 continue
             return EXIT_INFRA
     return summary["exit_code"]
