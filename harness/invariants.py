@@ -165,21 +165,6 @@ def pipeline_plan(batches: int, delay: int, *, replay: bool, always_correct: boo
     return dict(plan)
 
 
-def check_expected_counts(
-    events: list[Event],
-    *,
-    steps: int | Iterable[int],
-    moe_layers: list[int],
-    chunks: int,
-    recompute: bool = False,
-) -> CheckResult:
-    """One dispatch and one combine launch per (step, phase, MoE layer, chunk), nothing else.
-
-    steps is a count (steps 0..steps-1) or the step numbers themselves.
-    """
-    return check_planned_counts(events, plan=training_plan(steps, recompute), moe_layers=moe_layers, chunks=chunks)
-
-
 def check_planned_counts(events: list[Event], *, plan: Plan, moe_layers: list[int], chunks: int) -> CheckResult:
     """``plan[step, phase]`` dispatch and combine launches per (step, phase, MoE layer, chunk), nothing else."""
     if reason := _malformed(events):
@@ -294,19 +279,6 @@ def _merge(name: str, per_rank: dict[int, CheckResult]) -> CheckResult:
             )
     first_rank = min(per_rank)
     return CheckResult(name, KIND, "pass", f"all {len(per_rank)} ranks: {per_rank[first_rank].detail}")
-
-
-def check_token_exchange(
-    events_by_rank: dict[int, list[Event]],
-    *,
-    steps: int | Iterable[int],
-    moe_layers: list[int],
-    chunks: int,
-    recompute: bool = False,
-) -> list[CheckResult]:
-    """check_planned_exchanges for plain training (training_plan)."""
-    plan = training_plan(steps, recompute)
-    return check_planned_exchanges(events_by_rank, plan=plan, moe_layers=moe_layers, chunks=chunks)
 
 
 def check_planned_exchanges(

@@ -145,6 +145,8 @@ class DebugSpec:
 
 @dataclass(frozen=True)
 class SuiteSpec:
+    """A validated suite: its arms, its checks and how goldens are checked; what manifest.json records."""
+
     name: str
     description: str
     path: Path

@@ -5,10 +5,11 @@ import pytest
 from harness.invariants import (
     check_buffer_reuse,
     check_chunk_signatures,
-    check_expected_counts,
     check_launch_wait_pairing,
+    check_planned_counts,
+    check_planned_exchanges,
     check_same_event_sequence,
-    check_token_exchange,
+    training_plan,
 )
 
 STEPS, LAYERS, CHUNKS = 2, [1, 3], 4
@@ -62,7 +63,7 @@ def test_correct_schedule_passes_every_check():
     assert check_launch_wait_pairing(events).status == "pass"
     assert check_buffer_reuse(events).status == "pass"
     assert check_chunk_signatures(events).status == "pass"
-    r = check_expected_counts(events, steps=STEPS, moe_layers=LAYERS, chunks=CHUNKS, recompute=True)
+    r = check_planned_counts(events, plan=training_plan(STEPS, recompute=True), moe_layers=LAYERS, chunks=CHUNKS)
     assert r.status == "pass", r.detail
     assert r.detail.startswith(f"{STEPS * 3 * len(LAYERS) * CHUNKS * 2} launches")
 
@@ -134,23 +135,23 @@ def test_missing_chunk_is_flagged_by_counts():
     events = without(
         schedule(), lambda e: e["step"] == 1 and e["phase"] == "bwd" and e["layer"] == 1 and e["chunk"] == 3
     )
-    r = check_expected_counts(events, steps=STEPS, moe_layers=LAYERS, chunks=CHUNKS)
+    r = check_planned_counts(events, plan=training_plan(STEPS), moe_layers=LAYERS, chunks=CHUNKS)
     assert r.status == "fail" and r.first_divergent_step == 1
     assert r.detail == "step 1 bwd layer 1 chunk 3: missing: dispatch 0 (expected 1), combine 0 (expected 1) launches"
 
 
 def test_extra_layer_and_missing_recompute_are_flagged_by_counts():
     events = schedule(layers=[1, 2, 3])
-    r = check_expected_counts(events, steps=STEPS, moe_layers=LAYERS, chunks=CHUNKS)
+    r = check_planned_counts(events, plan=training_plan(STEPS), moe_layers=LAYERS, chunks=CHUNKS)
     assert r.status == "fail" and r.detail.startswith("step 0 fwd layer 2 chunk 0: unexpected")
-    r = check_expected_counts(schedule(), steps=STEPS, moe_layers=LAYERS, chunks=CHUNKS, recompute=True)
+    r = check_planned_counts(schedule(), plan=training_plan(STEPS, recompute=True), moe_layers=LAYERS, chunks=CHUNKS)
     assert r.status == "fail" and r.detail.startswith("step 0 recompute layer 1 chunk 0: missing")
 
 
 def test_duplicate_launch_is_flagged_by_counts():
     events = schedule(steps=1, layers=[1], chunks=1)
     events.insert(1, dict(events[0]))
-    r = check_expected_counts(renumber(events), steps=1, moe_layers=[1], chunks=1)
+    r = check_planned_counts(renumber(events), plan=training_plan(1), moe_layers=[1], chunks=1)
     assert r.status == "fail" and "wrong count: dispatch 2 (expected 1)" in r.detail
 
 
@@ -214,7 +215,9 @@ def test_malformed_events_are_errors_not_passes():
 
 
 def test_token_exchange_passes_all_ranks():
-    results = check_token_exchange({0: schedule(), 1: schedule()}, steps=STEPS, moe_layers=LAYERS, chunks=CHUNKS)
+    results = check_planned_exchanges(
+        {0: schedule(), 1: schedule()}, plan=training_plan(STEPS), moe_layers=LAYERS, chunks=CHUNKS
+    )
     assert [r.status for r in results] == ["pass"] * 4
     assert len({r.name for r in results}) == 4
     assert all(r.detail.startswith("all 2 ranks: ") for r in results)
@@ -222,7 +225,9 @@ def test_token_exchange_passes_all_ranks():
 
 def test_token_exchange_names_the_failing_rank():
     broken = without(schedule(), lambda e: e["op"] == "wait" and e["step"] == 1 and e["chunk"] == 0)
-    results = check_token_exchange({0: schedule(), 1: broken}, steps=STEPS, moe_layers=LAYERS, chunks=CHUNKS)
+    results = check_planned_exchanges(
+        {0: schedule(), 1: broken}, plan=training_plan(STEPS), moe_layers=LAYERS, chunks=CHUNKS
+    )
     pairing = results[0]
     assert pairing.status == "fail" and pairing.detail.startswith("rank 1: ")
     assert pairing.extra["failing_ranks"] == [1] and pairing.first_divergent_step == 1
@@ -230,10 +235,10 @@ def test_token_exchange_names_the_failing_rank():
 
 @pytest.mark.parametrize("events_by_rank", [{0: [], 1: []}, {0: schedule(), 1: []}, {}])
 def test_empty_event_log_never_passes(events_by_rank):
-    results = check_token_exchange(events_by_rank, steps=STEPS, moe_layers=LAYERS, chunks=CHUNKS)
+    results = check_planned_exchanges(events_by_rank, plan=training_plan(STEPS), moe_layers=LAYERS, chunks=CHUNKS)
     assert len(results) == 4 and all(r.status == "fail" for r in results)
 
 
 def test_single_check_on_empty_events_fails_counts():
-    r = check_expected_counts([], steps=1, moe_layers=[0], chunks=2)
+    r = check_planned_counts([], plan=training_plan(1), moe_layers=[0], chunks=2)
     assert r.status == "fail" and "missing" in r.detail

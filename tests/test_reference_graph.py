@@ -10,7 +10,7 @@ import pytest
 import torch
 from distributed import run_on_ranks
 
-from harness.invariants import check_token_exchange
+from harness.invariants import check_planned_exchanges, training_plan
 from harness.reference.chunking.checks import exchange_inventory
 from harness.reference.chunking.graph import ChunkingError, buffer_set_of, chunk_regions
 from harness.reference.chunking.graph_step import MARKERS, ROOT_PATTERNS, GraphStep, compile_graph_step
@@ -187,7 +187,7 @@ def test_graph_and_eager_traced_match_eager_bitwise_with_identical_events(eager:
                 assert torch.equal(arm["grads"][key][name], g), f"{name} of logical rank/step {key}"
     assert len({loss for loss, _ in eager["metrics"]}) == STEPS  # not vacuous: the loss moves
     assert without_seq(graph["events"]) == without_seq(eager_traced["events"])
-    results = check_token_exchange(graph["events"], steps=STEPS, moe_layers=[1, 2], chunks=2)
+    results = check_planned_exchanges(graph["events"], plan=training_plan(STEPS), moe_layers=[1, 2], chunks=2)
     assert [r.status for r in results] == ["pass"] * 4, [r.detail for r in results]
 
 
@@ -212,5 +212,5 @@ def test_each_fault_is_caught_at_run_time(
     run = trajectory(replace(CONFIG, chunking="none"), STEPS, graph_step=compiled(traced, model, fault=fault))
     assert (run["metrics"] != eager["metrics"]) == numerics_differ
     assert without_seq(run["events"]) != without_seq(eager_traced["events"])
-    results = check_token_exchange(run["events"], steps=STEPS, moe_layers=[1, 2], chunks=2)
+    results = check_planned_exchanges(run["events"], plan=training_plan(STEPS), moe_layers=[1, 2], chunks=2)
     assert failing_invariants <= {r.name for r in results if r.status == "fail"}
