@@ -300,6 +300,39 @@ def mark_cancelled(summary: dict, cancelled: Cancelled) -> None:
     summary["counts"]["error"] += 1
 
 
+def execute(
+    run_dir: Path,
+    suite: SuiteSpec,
+    groups: list[LaunchGroup],
+    timeout_s: float,
+    pin: CpuPin | None,
+    golden: GoldenPlan,
+    launches: list[LaunchResult],
+    out: TextIO,
+    err: TextIO,
+) -> tuple[Cancelled | None, dict[str, ArmRecords], list[CheckResult]]:
+    """Launches the groups (appending to ``launches``) and checks what they recorded.
+
+    Returns the cancellation, if a signal came, the records and the checks: on a cancellation
+    only that; on an error inside the harness only that, since the outcome is then unknown.
+    """
+    records: dict[str, ArmRecords] = {}
+    start = time.monotonic()
+    try:
+        for result in launch_all(run_dir, suite, groups, timeout_s, pin.env if pin else {}, out):
+            launches.append(result)
+            if result.error:
+                print(f"error: {result.error}", file=err)
+        records = {arm: read_arm(run_dir, arm, suite.arms[arm].ep) for arm in suite.arms}
+        return None, records, collect_checks(suite, launches, records, golden, pin)
+    except Cancelled as c:
+        return c, records, [cancelled_check(c, time.monotonic() - start)]
+    except Exception as e:
+        log.exception("internal error while running the suite")
+        internal = CheckResult("harness", "internal-error", "error", f"internal error: {type(e).__name__}: {e}")
+        return None, records, [internal]
+
+
 def run_suite(suite: SuiteSpec, options: RunOptions, out: TextIO = sys.stdout, err: TextIO = sys.stderr) -> int:
     """Runs a validated suite end to end and returns the exit code; raises UsageError or
     GoldenError (exit 2) before launching."""
@@ -319,23 +352,8 @@ def run_suite(suite: SuiteSpec, options: RunOptions, out: TextIO = sys.stdout, e
             log.info(line)
         start = time.monotonic()
         launches: list[LaunchResult] = []
-        records: dict[str, ArmRecords] = {}
-        cancelled = None
-        try:
-            for result in launch_all(run_dir, suite, groups, options.timeout_s, pin.env if pin else {}, out):
-                launches.append(result)
-                if result.error:
-                    print(f"error: {result.error}", file=err)
-            records = {arm: read_arm(run_dir, arm, suite.arms[arm].ep) for arm in suite.arms}
-            checks = collect_checks(suite, launches, records, golden, pin)
-        except Cancelled as c:
-            cancelled = c
-            checks = [cancelled_check(c, time.monotonic() - start)]
-        except Exception as e:  # a bug in the harness: the run's outcome is unknown, not failed
-            log.exception("internal error while running the suite")
-            checks = [CheckResult("harness", "internal-error", "error", f"internal error: {type(e).__name__}: {e}")]
-        if not records:
-            records = {arm: read_arm(run_dir, arm, suite.arms[arm].ep) for arm in suite.arms}
+        cancelled, records, checks = execute(run_dir, suite, groups, options.timeout_s, pin, golden, launches, out, err)
+        records = records or {arm: read_arm(run_dir, arm, suite.arms[arm].ep) for arm in suite.arms}
         verdict, exit_code = ("cancelled", cancelled.exit_code) if cancelled else verdict_of(checks)
         summary = build_summary(
             suite, verdict, exit_code, time.monotonic() - start, key, golden, launches, records, checks
