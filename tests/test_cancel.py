@@ -66,8 +66,11 @@ def test_second_sigint_during_the_launch_aborts_at_once(start_harness, processes
     out = tmp_path / "run"
     proc = _training(start_harness, out)
     proc.send_signal(signal.SIGINT)
+    time.sleep(0.3)  # two signals at once would reach Python as one; this one lands while the ranks stop
     proc.send_signal(signal.SIGINT)
     stdout, stderr = proc.communicate(timeout=30)
     assert proc.returncode == 130, stdout + stderr
+    assert "SIGINT again: aborting at once" in stderr
+    assert not (out / "report.html").exists()  # it never got that far
     time.sleep(1)  # PR_SET_PDEATHSIG: the ranks follow the harness
     assert not processes_mentioning(str(out))
