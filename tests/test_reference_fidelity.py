@@ -9,7 +9,9 @@ pad token, the activation, rms_norm_eps away from the latent norms' fixed 1e-6.
 
 from __future__ import annotations
 
+import json
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
 import torch
@@ -17,6 +19,7 @@ from distributed import run_on_ranks
 
 from harness.reference.ep.exchange import TokenExchange, bind
 from harness.reference.ep.group import LogicalGroup
+from harness.reference.hf_config import HF_BASE, hf_config_fields
 from harness.reference.model import (
     ACTIVATIONS,
     DeepseekV3Config,
@@ -30,6 +33,7 @@ transformers = pytest.importorskip("transformers")
 RTOL = 1e-5
 CFG = get_config("cpu-tiny", n_group=4, topk_group=2, num_experts_per_tok=3, routed_scaling_factor=2.5)
 BATCH, SEQ = 4, 16
+FIXTURE = Path(__file__).parent / "fixtures" / "deepseek-v3-tiny" / "config.json"
 # YaRN as DeepSeek-V3 ships it (mscale = mscale_all_dim: cos/sin unscaled, the softmax scaled by
 # mscale^2), with the two mscales apart (cos/sin scaled too), and without them and truncation.
 YARN = {
@@ -61,8 +65,8 @@ def rope_parameters(cfg: DeepseekV3Config) -> dict:
     return params
 
 
-def hf_model(cfg: DeepseekV3Config = CFG) -> torch.nn.Module:
-    config = transformers.DeepseekV3Config(
+def hf_config(cfg: DeepseekV3Config) -> transformers.DeepseekV3Config:
+    return transformers.DeepseekV3Config(
         vocab_size=cfg.vocab_size,
         hidden_size=cfg.hidden_size,
         intermediate_size=cfg.intermediate_size,
@@ -92,8 +96,11 @@ def hf_model(cfg: DeepseekV3Config = CFG) -> torch.nn.Module:
         pad_token_id=cfg.pad_token_id,
         attn_implementation="eager",
     )
+
+
+def hf_model(config: transformers.DeepseekV3Config | None = None) -> torch.nn.Module:
     torch.manual_seed(0)
-    model = transformers.DeepseekV3ForCausalLM(config).float()
+    model = transformers.DeepseekV3ForCausalLM(config or hf_config(CFG)).float()
     with torch.no_grad():  # a non-zero correction bias exercises the group-limited choice
         for name, buf in model.named_buffers():
             if name.endswith("e_score_correction_bias"):
@@ -111,9 +118,10 @@ def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 def hf_logits_and_grads(
-    cfg: DeepseekV3Config = CFG,
+    cfg: DeepseekV3Config = CFG, config: transformers.DeepseekV3Config | None = None
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor], dict[str, torch.Tensor]]:
-    model = hf_model(cfg)
+    """Hugging Face's logits, gradients and state dict, for ``config`` or else the one ``cfg`` describes."""
+    model = hf_model(config or hf_config(cfg))
     inputs, labels = batch(cfg)
     logits = model(input_ids=inputs).logits
     causal_lm_loss(logits, labels).backward()
@@ -171,9 +179,11 @@ def assert_matches_hf(
         assert rel_err(g, expected) < RTOL, f"{name}: rel err {rel_err(g, expected):.2e}"
 
 
-def assert_one_process_matches_hf(cfg: DeepseekV3Config) -> dict[str, torch.Tensor]:
+def assert_one_process_matches_hf(
+    cfg: DeepseekV3Config, config: transformers.DeepseekV3Config | None = None
+) -> dict[str, torch.Tensor]:
     """Compares logits and gradients with Hugging Face's; returns the reference's gradients."""
-    hf_logits, hf_grads, state = hf_logits_and_grads(cfg)
+    hf_logits, hf_grads, state = hf_logits_and_grads(cfg, config)
     logits, grads = reference_on_rank(0, 1, state, cfg)
     assert_matches_hf(logits, grads, hf_logits, hf_grads, rank=0, ep=1, cfg=cfg)
     return grads
@@ -234,6 +244,15 @@ def test_unknown_hidden_act_is_refused_naming_the_choices() -> None:
 def test_latent_norms_keep_eps_1e_6_whatever_rms_norm_eps_says() -> None:
     """Hugging Face builds q_a_layernorm and kv_a_layernorm with eps 1e-6; the other norms take rms_norm_eps."""
     assert_one_process_matches_hf(replace(CFG, rms_norm_eps=1e-5))
+
+
+def test_a_checkpoint_config_json_builds_the_model_transformers_builds_from_it() -> None:
+    """The real file's keys (YaRN in the older rope_scaling form, fp8 quantization_config, MTP
+    layers, ...) map onto the model transformers reads from the same file."""
+    hf = json.loads(FIXTURE.read_text())
+    cfg = get_config(HF_BASE, **{field: value for field, (_, value) in hf_config_fields(hf).items()})
+    assert (cfg.rope_type, cfg.rope_factor, cfg.num_hidden_layers) == ("yarn", 40, 4)
+    assert_one_process_matches_hf(cfg, transformers.DeepseekV3Config.from_dict(hf, attn_implementation="eager"))
 
 
 def test_state_dict_names_are_hugging_face_names() -> None:
