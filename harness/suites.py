@@ -71,15 +71,16 @@ _POSITIVE = {"ep", "local_batch", "seq_len", "chunks", "num_buffer_sets", "lr", 
 _MODEL_HINTS = typing.get_type_hints(DeepseekV3Config)
 _MODEL_FIELDS: dict[str, type] = {name: _value_type(hint) for name, hint in _MODEL_HINTS.items()}
 _MODEL_NULLABLE = {name for name, hint in _MODEL_HINTS.items() if type(None) in typing.get_args(hint)}
-# Every model int is a size >= 1 but these; floats need only be finite but these.
-_MODEL_POSITIVE = (
-    {name for name, kind in _MODEL_FIELDS.items() if kind is int}
-    - {
-        "first_k_dense_replace",
-        "n_shared_experts",
-        "pad_token_id",
-    }
-) | {"rms_norm_eps", "rope_theta", "initializer_range", "rope_factor", "rope_beta_fast", "rope_beta_slow"}
+# Every model int is a size >= 1 but these; floats need only be finite but the positive ones.
+_MODEL_MAY_BE_ZERO = {"first_k_dense_replace", "n_shared_experts", "pad_token_id"}
+_MODEL_POSITIVE = {name for name, kind in _MODEL_FIELDS.items() if kind is int and name not in _MODEL_MAY_BE_ZERO} | {
+    "rms_norm_eps",
+    "rope_theta",
+    "initializer_range",
+    "rope_factor",
+    "rope_beta_fast",
+    "rope_beta_slow",
+}
 _TOP_KEYS = ("name", "description", "ranks", "steps", "model", "train", "arms", "checks", "golden", "debug")
 _TABLES = ("model", "train", "golden", "debug")
 
