@@ -22,6 +22,7 @@ from harness.reference.ep.group import LogicalGroup
 from harness.reference.hf_config import HF_BASE, hf_config_fields
 from harness.reference.model import (
     ACTIVATIONS,
+    CONFIG_FIELDS,
     DeepseekV3Config,
     DeepseekV3ForCausalLM,
     causal_lm_loss,
@@ -253,6 +254,15 @@ def test_a_checkpoint_config_json_builds_the_model_transformers_builds_from_it()
     cfg = get_config(HF_BASE, **{field: value for field, (_, value) in hf_config_fields(hf).items()})
     assert (cfg.rope_type, cfg.rope_factor, cfg.num_hidden_layers) == ("yarn", 40, 4)
     assert_one_process_matches_hf(cfg, transformers.DeepseekV3Config.from_dict(hf, attn_implementation="eager"))
+
+
+def test_the_deepseek_v3_config_is_hugging_faces_defaults() -> None:
+    """What the keys a config.json leaves out mean."""
+    theirs, ours = transformers.DeepseekV3Config(), get_config(HF_BASE)
+    shared = [name for name in CONFIG_FIELDS if hasattr(theirs, name)]
+    assert len(shared) > 25
+    assert {name: getattr(ours, name) for name in shared} == {name: getattr(theirs, name) for name in shared}
+    assert theirs.rope_parameters == {"rope_type": ours.rope_type, "rope_theta": ours.rope_theta}
 
 
 def test_state_dict_names_are_hugging_face_names() -> None:
