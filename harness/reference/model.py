@@ -24,7 +24,9 @@ from harness.reference.ep.exchange import region
 
 @dataclass(frozen=True)
 class DeepseekV3Config:
-    """Field names match ``transformers.DeepseekV3Config``; ``scoring_func`` adds softmax scoring."""
+    """Field names match ``transformers.DeepseekV3Config``; ``scoring_func`` adds softmax scoring, and
+    ``correction_bias_init`` draws the initial ``e_score_correction_bias`` uniformly from [0, it)
+    (0: all zero, as a fresh model has), so that the group-limited choice depends on the bias."""
 
     vocab_size: int = 256
     hidden_size: int = 64
@@ -51,6 +53,7 @@ class DeepseekV3Config:
     rope_theta: float = 10000.0
     rope_interleave: bool = True
     attention_bias: bool = False
+    correction_bias_init: float = 0.0
 
     @property
     def qk_head_dim(self) -> int:
@@ -60,9 +63,16 @@ class DeepseekV3Config:
         return layer >= self.first_k_dense_replace
 
 
+_CPU_TINY_LEARNED = DeepseekV3Config(
+    n_group=4, topk_group=2, num_experts_per_tok=3, routed_scaling_factor=2.5, correction_bias_init=0.1
+)
 CONFIGS: dict[str, DeepseekV3Config] = {
     # 20 steps of two arms on 2 CPU ranks take seconds.
     "cpu-tiny": DeepseekV3Config(),
+    # cpu-tiny with what forced-balanced routing never exercises: learned routing over 4 expert
+    # groups (2 chosen), 3 experts per token, a routed scaling factor and a non-zero correction bias.
+    "cpu-tiny-learned": _CPU_TINY_LEARNED,
+    "cpu-tiny-learned-no-q-lora": replace(_CPU_TINY_LEARNED, q_lora_rank=None),
     # torchtitan's deepseek_v3 debugmodel shape, for GPUs.
     "debugmodel": DeepseekV3Config(
         vocab_size=2048,
@@ -421,7 +431,9 @@ class DeepseekV3ForCausalLM(nn.Module):
             if name.endswith("layernorm.weight") or name.endswith("norm.weight"):
                 full[name] = torch.ones(shape)
             elif name.endswith("e_score_correction_bias"):
-                full[name] = torch.zeros(shape)
+                # Drawn only when asked, so that every other config's weights stay as they were.
+                bias = self.cfg.correction_bias_init
+                full[name] = torch.rand(shape, generator=generator) * bias if bias else torch.zeros(shape)
             else:
                 full[name] = torch.randn(shape, generator=generator) * self.cfg.initializer_range
         self.load_hf_state_dict(full)
