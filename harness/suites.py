@@ -12,7 +12,9 @@ count of every arm, and ``ep`` defaults to the suite's ``ranks``. So an arm that
 Trainers: an arm that sets any field of the delayed pipeline (``delay``,
 ``max_gradient_staleness``, ``retention``, ``correction``, ``apply_twice_batch``), in its own
 table or in ``[train]``, is a *versioned* arm: it resolves to a ``PipelineConfig`` and runs on
-``VersionedTrainer``; every other arm is a plain ``TrainConfig`` on ``Trainer``.
+``VersionedTrainer``; every other arm is a plain ``TrainConfig`` on ``Trainer``. An arm may also
+name its own ``model`` (default: ``[model] config``) and an ``oracle``: ``"hf"`` trains it in
+lockstep with Hugging Face transformers (see :mod:`harness.oracles`), which must be installed.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from harness import oracles
 from harness.compare import tier_from_spec
 from harness.records import METRIC_COLUMNS
 from harness.reference.model import CONFIGS
@@ -107,6 +110,7 @@ class ArmSpec:
     name: str
     ranks: int
     train: dict[str, Any]
+    oracle: str | None = None  # an implementation trained in lockstep with it (harness.oracles)
 
     @property
     def ep(self) -> int:
@@ -167,7 +171,7 @@ class SuiteSpec:
             "path": str(self.path),
             "ranks": self.ranks,
             "steps": self.steps,
-            "arms": {a.name: {"ranks": a.ranks, "train": a.train} for a in self.arms.values()},
+            "arms": {a.name: {"ranks": a.ranks, "train": a.train, "oracle": a.oracle} for a in self.arms.values()},
             "checks": [dataclasses.asdict(c) for c in self.checks],
             "golden": {
                 "tier": self.golden_tier,
@@ -410,8 +414,9 @@ class _Validator:
 
     def arm(self, name: str, raw: Any, base: dict[str, Any], model: str, suite_ranks: int, steps: int) -> ArmSpec:
         dotted = f"arms.{name}"
-        own = self.train_table(raw, dotted, allowed=("ranks", *_TRAIN_FIELDS))
+        own = self.train_table(raw, dotted, allowed=("ranks", "model", "oracle", *_TRAIN_FIELDS))
         ranks = self.int_(raw["ranks"], f"{dotted}.ranks", 1, MAX_RANKS) if "ranks" in raw else suite_ranks
+        model = self.str_(raw["model"], f"{dotted}.model", tuple(CONFIGS)) if "model" in raw else model
         ranks_field = f"{dotted}.ranks" if "ranks" in raw else "ranks"
         merged = {"ep": suite_ranks, **base, **own, "model": model, "device": self.device}
 
@@ -445,7 +450,20 @@ class _Validator:
             raise self.error(source(first_word) if first_word in _TRAIN_FIELDS else dotted, str(e)) from None
         if isinstance(config, PipelineConfig):
             self.pipeline(config, source, steps)
-        return ArmSpec(name, ranks, dataclasses.asdict(config))
+        oracle = self.oracle(raw["oracle"], f"{dotted}.oracle", config) if "oracle" in raw else None
+        return ArmSpec(name, ranks, dataclasses.asdict(config), oracle)
+
+    def oracle(self, value: Any, dotted: str, config: TrainConfig) -> str:
+        """An oracle the arm's configuration has a counterpart in, and whose package is installed."""
+        oracle = self.str_(value, dotted, oracles.ORACLES)
+        if isinstance(config, PipelineConfig):
+            raise self.error(
+                dotted, f"needs a plain arm: the oracle has no delayed pipeline (unset {', '.join(PIPELINE_FIELDS)})"
+            )
+        problem = oracles.unsupported(dataclasses.asdict(config)) or oracles.missing_dependency()
+        if problem:
+            raise self.error(dotted, problem)
+        return oracle
 
     def pipeline(self, config: PipelineConfig, source: Callable[[str], str], steps: int) -> None:
         """What the reference accepts but can never run: it would only fail inside the ranks."""
