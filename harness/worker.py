@@ -37,7 +37,7 @@ from harness.records import JsonlWriter, write_json_atomic
 from harness.reference.ep.exchange import EventSink
 from harness.reference.pipeline import PipelineConfig, VersionedTrainer
 from harness.reference.train import TrainConfig, Trainer
-from harness.suites import train_config
+from harness.specs import train_config
 
 if TYPE_CHECKING:
     from harness.oracles.hf import HFLockstep
