@@ -130,7 +130,7 @@ def judge(name: str, lines: list[dict], steps: int, tiers: dict[str, float]) -> 
     if recorded != list(range(1, steps + 1)):
         detail = f"recorded steps {recorded}, expected 1-{steps}: the steps missing were not compared"
         return CheckResult(name, KIND, "fail", detail)
-    largest = ", ".join(f"{label} {err:.1e}" for err, label in worst.values())
+    largest = "; ".join(f"{label} {err:.1e}" for err, label in worst.values())
     detail = (
         f"{steps} steps: loss, grad norm and the gradients of {len(params)} parameters within"
         f" {tiers['max_rel_err']:g}, updated weights within {tiers['weight_max_rel_err']:g} of Hugging Face"
