@@ -16,6 +16,7 @@ from harness.reference.ep.group import LogicalGroup
 from harness.reference.model import DeepseekV3ForCausalLM, causal_lm_loss, get_config
 
 transformers = pytest.importorskip("transformers")
+from harness.oracles.hf import hf_config  # noqa: E402  (needs transformers)
 
 RTOL = 1e-5
 CFG = get_config("cpu-tiny", n_group=4, topk_group=2, num_experts_per_tok=3, routed_scaling_factor=2.5)
@@ -23,32 +24,7 @@ BATCH, SEQ = 4, 16
 
 
 def hf_model() -> torch.nn.Module:
-    config = transformers.DeepseekV3Config(
-        vocab_size=CFG.vocab_size,
-        hidden_size=CFG.hidden_size,
-        intermediate_size=CFG.intermediate_size,
-        moe_intermediate_size=CFG.moe_intermediate_size,
-        num_hidden_layers=CFG.num_hidden_layers,
-        num_attention_heads=CFG.num_attention_heads,
-        num_key_value_heads=CFG.num_attention_heads,
-        n_shared_experts=CFG.n_shared_experts,
-        n_routed_experts=CFG.n_routed_experts,
-        routed_scaling_factor=CFG.routed_scaling_factor,
-        kv_lora_rank=CFG.kv_lora_rank,
-        q_lora_rank=CFG.q_lora_rank,
-        qk_rope_head_dim=CFG.qk_rope_head_dim,
-        v_head_dim=CFG.v_head_dim,
-        qk_nope_head_dim=CFG.qk_nope_head_dim,
-        n_group=CFG.n_group,
-        topk_group=CFG.topk_group,
-        num_experts_per_tok=CFG.num_experts_per_tok,
-        first_k_dense_replace=CFG.first_k_dense_replace,
-        norm_topk_prob=CFG.norm_topk_prob,
-        rms_norm_eps=CFG.rms_norm_eps,
-        rope_parameters={"rope_type": "default", "rope_theta": CFG.rope_theta},
-        rope_interleave=CFG.rope_interleave,
-        attn_implementation="eager",
-    )
+    config = hf_config(CFG)
     torch.manual_seed(0)
     model = transformers.DeepseekV3ForCausalLM(config).float()
     with torch.no_grad():  # a non-zero correction bias exercises the group-limited choice
