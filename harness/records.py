@@ -135,6 +135,7 @@ class ArmRecords:
     moe_layers: list[int] | None = None  # None: arm.json missing or without them
     graph_checks: list[dict] = field(default_factory=list)  # static checks of a traced arm's graph
     cpu_capability: str | None = None  # the ISA ATen dispatched to in the arm's ranks
+    fidelity: list[dict] = field(default_factory=list)  # an oracle arm's fidelity.jsonl, one line per step
     error: str | None = None  # unreadable records
 
     def steps_done(self) -> int:
@@ -154,6 +155,8 @@ def read_arm(run_dir: Path, arm: str, logical_ranks: int) -> ArmRecords:
             records.moe_layers = arm_info.get("moe_layers")
             records.graph_checks = arm_info.get("graph_checks", [])
             records.cpu_capability = arm_info.get("cpu_capability")
+        if (arm_dir / "fidelity.jsonl").is_file():
+            records.fidelity = read_jsonl(arm_dir / "fidelity.jsonl")
         for logical_rank in range(logical_ranks):
             path = arm_dir / f"events.rank{logical_rank}.jsonl"
             records.events[logical_rank] = read_jsonl(path) if path.is_file() else []

@@ -12,7 +12,9 @@ count of every arm, and ``ep`` defaults to the suite's ``ranks``. So an arm that
 Trainers: an arm that sets any field of the delayed pipeline (``delay``,
 ``max_gradient_staleness``, ``retention``, ``correction``, ``apply_twice_batch``), in its own
 table or in ``[train]``, is a *versioned* arm: it resolves to a ``PipelineConfig`` and runs on
-``VersionedTrainer``; every other arm is a plain ``TrainConfig`` on ``Trainer``.
+``VersionedTrainer``; every other arm is a plain ``TrainConfig`` on ``Trainer``. An arm may also
+name its own ``model`` (default: ``[model] config``) and an ``oracle``: ``"hf"`` trains it in
+lockstep with Hugging Face transformers (see :mod:`harness.oracles`), which must be installed.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from harness import oracles
 from harness.checks import FAMILIES
 from harness.checks.pairs import DEFAULT_METRICS
 from harness.compare import tier_from_spec
@@ -37,7 +40,7 @@ from harness.reference.hf_config import HF_BASE, HFConfigError, hf_config_fields
 from harness.reference.model import CONFIGS, DeepseekV3Config, get_config
 from harness.reference.pipeline import PipelineConfig
 from harness.reference.train import TrainConfig
-from harness.specs import ArmSpec, CheckSpec, DebugSpec, SuiteSpec, train_config
+from harness.specs import PIPELINE_FIELDS, ArmSpec, CheckSpec, DebugSpec, SuiteSpec, train_config
 
 SUITES_DIR = Path(__file__).resolve().parent.parent / "suites"
 MAX_RANKS = 8
@@ -309,7 +312,7 @@ class _Validator:
         if not isinstance(arms_raw, dict) or not arms_raw:
             raise self.error("arms", f"expected at least one [arms.NAME] table, got {_show(arms_raw)}")
         arms = {
-            self.name(arm, f"arms.{arm}"): self.arm(arm, table, base, model, ranks, steps)
+            self.name(arm, f"arms.{arm}"): self.arm(arm, table, base, model, ranks, steps, raw.get("model", {}), path)
             for arm, table in arms_raw.items()
         }
         checks_raw = raw.get("checks", [])
@@ -396,10 +399,25 @@ class _Validator:
         table = self.table(raw, dotted, allowed)
         return {k: self.train_value(v, f"{dotted}.{k}", k) for k, v in table.items() if k in _TRAIN_FIELDS}
 
-    def arm(self, name: str, raw: Any, base: dict[str, Any], model: _Model, suite_ranks: int, steps: int) -> ArmSpec:
+    def arm(
+        self,
+        name: str,
+        raw: Any,
+        base: dict[str, Any],
+        model: _Model,
+        suite_ranks: int,
+        steps: int,
+        model_raw: dict,
+        suite_file: Path,
+    ) -> ArmSpec:
+        """One [arms.NAME] table over [train]; its ``model``, a named config, replaces [model]'s
+        ``config`` and keeps [model]'s field overrides."""
         dotted = f"arms.{name}"
-        own = self.train_table(raw, dotted, allowed=("ranks", *_TRAIN_FIELDS))
+        own = self.train_table(raw, dotted, allowed=("ranks", "model", "oracle", *_TRAIN_FIELDS))
         ranks = self.int_(raw["ranks"], f"{dotted}.ranks", 1, MAX_RANKS) if "ranks" in raw else suite_ranks
+        if "model" in raw:
+            named = self.str_(raw["model"], f"{dotted}.model", tuple(CONFIGS))
+            model = self.model({**model_raw, "config": named}, suite_file)
         ranks_field = f"{dotted}.ranks" if "ranks" in raw else "ranks"
         merged = {
             "ep": suite_ranks,
@@ -440,7 +458,20 @@ class _Validator:
             raise self.error(source(first_word) if first_word in _TRAIN_FIELDS else dotted, str(e)) from None
         if isinstance(config, PipelineConfig):
             self.pipeline(config, source, steps)
-        return ArmSpec(name, ranks, dataclasses.asdict(config))
+        oracle = self.oracle(raw["oracle"], f"{dotted}.oracle", config) if "oracle" in raw else None
+        return ArmSpec(name, ranks, dataclasses.asdict(config), oracle)
+
+    def oracle(self, value: Any, dotted: str, config: TrainConfig) -> str:
+        """An oracle the arm's configuration has a counterpart in, and whose package is installed."""
+        oracle = self.str_(value, dotted, oracles.ORACLES)
+        if isinstance(config, PipelineConfig):
+            raise self.error(
+                dotted, f"needs a plain arm: the oracle has no delayed pipeline (unset {', '.join(PIPELINE_FIELDS)})"
+            )
+        problem = oracles.unsupported(dataclasses.asdict(config)) or oracles.missing_dependency()
+        if problem:
+            raise self.error(dotted, problem)
+        return oracle
 
     def pipeline(self, config: PipelineConfig, source: Callable[[str], str], steps: int) -> None:
         """What the reference accepts but can never run: it would only fail inside the ranks."""

@@ -7,7 +7,9 @@ line is flushed, so a crash leaves every finished step on disk.
 
 A plain arm runs on ``Trainer``, a versioned arm (one that sets a pipeline field) on
 ``VersionedTrainer``, whose metrics lines add the pipeline's columns (tick, revision, ages,
-batches_applied, correction statistics, forwards, recomputes).
+batches_applied, correction statistics, forwards, recomputes). An arm with ``oracle = "hf"``
+runs ``Trainer`` in lockstep with Hugging Face transformers (:mod:`harness.oracles.hf`) and
+also streams ``arms/<arm>/fidelity.jsonl`` (process rank 0).
 """
 
 from __future__ import annotations
@@ -25,16 +27,20 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
 from torch.distributed.elastic.multiprocessing.errors import record
 
 from harness.records import JsonlWriter, write_json_atomic
+from harness.reference.ep.exchange import EventSink
 from harness.reference.pipeline import PipelineConfig, VersionedTrainer
-from harness.reference.train import Trainer
+from harness.reference.train import TrainConfig, Trainer
 from harness.specs import train_config
+
+if TYPE_CHECKING:
+    from harness.oracles.hf import HFLockstep
 
 _PR_SET_PDEATHSIG = 1
 # The harness process (the elastic agent) exports its pid, so a rank can tell it was orphaned.
@@ -107,8 +113,20 @@ def updates(trainer: Trainer, steps: int, before_step: Callable[[int], bool]) ->
             yield {**result, "step": result["step"] + 1} if versioned else result
 
 
-def run_arm(run_dir: Path, arm: str, train: dict[str, Any], steps: int, debug: dict[str, Any]) -> None:
+def make_trainer(
+    config: TrainConfig, oracle: str | None, event_sink: EventSink, fidelity_sink: Callable[[dict], None] | None
+) -> Trainer | VersionedTrainer | HFLockstep:
+    """The arm's trainer; transformers is imported only by an arm that trains against it."""
+    if oracle == "hf":
+        from harness.oracles.hf import HFLockstep
+
+        return HFLockstep(config, event_sink=event_sink, fidelity_sink=fidelity_sink)
+    return (VersionedTrainer if isinstance(config, PipelineConfig) else Trainer)(config, event_sink=event_sink)
+
+
+def run_arm(run_dir: Path, arm: str, spec: dict[str, Any], steps: int, debug: dict[str, Any]) -> None:
     """Builds the arm's trainer from a fresh seed and runs its steps, streaming records."""
+    train = spec["train"]
     rank = dist.get_rank()
     arm_dir = run_dir / "arms" / arm
     config = train_config(train)
@@ -126,9 +144,12 @@ def run_arm(run_dir: Path, arm: str, train: dict[str, Any], steps: int, debug: d
                     writers[logical_rank] = stack.enter_context(JsonlWriter(path))
             writers[logical_rank].write(event)
 
-        trainer = (VersionedTrainer if isinstance(config, PipelineConfig) else Trainer)(config, event_sink=sink)
-        stack.callback(trainer.close)
         metrics = stack.enter_context(JsonlWriter(arm_dir / "metrics.jsonl")) if rank == 0 else None
+        fidelity = (
+            stack.enter_context(JsonlWriter(arm_dir / "fidelity.jsonl")) if rank == 0 and spec["oracle"] else None
+        )
+        trainer = make_trainer(config, spec["oracle"], sink, fidelity.write if fidelity else None)
+        stack.callback(trainer.close)
         if rank == 0:
             write_json_atomic(
                 arm_dir / "arm.json",
@@ -161,7 +182,7 @@ def main(argv: list[str]) -> None:
     _init_process_group(manifest["device"], manifest["backend"])
     print(f"rank {dist.get_rank()}/{dist.get_world_size()} of group {group_name}: pid {os.getpid()}", flush=True)
     for arm in group["arms"]:
-        run_arm(run_dir, arm, suite["arms"][arm]["train"], suite["steps"], suite["debug"])
+        run_arm(run_dir, arm, suite["arms"][arm], suite["steps"], suite["debug"])
     dist.destroy_process_group()
 
 

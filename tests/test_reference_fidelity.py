@@ -30,6 +30,7 @@ from harness.reference.model import (
 )
 
 transformers = pytest.importorskip("transformers")
+from harness.oracles.hf import hf_config  # noqa: E402  (needs transformers)
 
 RTOL = 1e-5
 CFG = get_config("cpu-tiny", n_group=4, topk_group=2, num_experts_per_tok=3, routed_scaling_factor=2.5)
@@ -48,55 +49,6 @@ YARN = {
         rope_factor=8.0, rope_original_max_position_embeddings=4096, rope_beta_fast=16.0, rope_truncate=False
     ),
 }
-
-
-def rope_parameters(cfg: DeepseekV3Config) -> dict:
-    """Hugging Face's rope_parameters for the reference's flattened ``rope_*`` fields."""
-    params = {"rope_type": cfg.rope_type, "rope_theta": cfg.rope_theta}
-    if cfg.rope_type == "yarn":
-        params |= {
-            "factor": cfg.rope_factor,
-            "original_max_position_embeddings": cfg.rope_original_max_position_embeddings,
-            "beta_fast": cfg.rope_beta_fast,
-            "beta_slow": cfg.rope_beta_slow,
-            "mscale": cfg.rope_mscale,
-            "mscale_all_dim": cfg.rope_mscale_all_dim,
-            "truncate": cfg.rope_truncate,
-        }
-    return params
-
-
-def hf_config(cfg: DeepseekV3Config) -> transformers.DeepseekV3Config:
-    return transformers.DeepseekV3Config(
-        vocab_size=cfg.vocab_size,
-        hidden_size=cfg.hidden_size,
-        intermediate_size=cfg.intermediate_size,
-        moe_intermediate_size=cfg.moe_intermediate_size,
-        num_hidden_layers=cfg.num_hidden_layers,
-        num_attention_heads=cfg.num_attention_heads,
-        num_key_value_heads=cfg.num_attention_heads,
-        n_shared_experts=cfg.n_shared_experts,
-        n_routed_experts=cfg.n_routed_experts,
-        routed_scaling_factor=cfg.routed_scaling_factor,
-        kv_lora_rank=cfg.kv_lora_rank,
-        q_lora_rank=cfg.q_lora_rank,
-        qk_rope_head_dim=cfg.qk_rope_head_dim,
-        v_head_dim=cfg.v_head_dim,
-        qk_nope_head_dim=cfg.qk_nope_head_dim,
-        n_group=cfg.n_group,
-        topk_group=cfg.topk_group,
-        num_experts_per_tok=cfg.num_experts_per_tok,
-        first_k_dense_replace=cfg.first_k_dense_replace,
-        norm_topk_prob=cfg.norm_topk_prob,
-        rms_norm_eps=cfg.rms_norm_eps,
-        rope_parameters=rope_parameters(cfg),
-        max_position_embeddings=cfg.rope_original_max_position_embeddings * int(cfg.rope_factor),
-        rope_interleave=cfg.rope_interleave,
-        hidden_act=cfg.hidden_act,
-        tie_word_embeddings=cfg.tie_word_embeddings,
-        pad_token_id=cfg.pad_token_id,
-        attn_implementation="eager",
-    )
 
 
 def hf_model(config: transformers.DeepseekV3Config | None = None) -> torch.nn.Module:

@@ -103,7 +103,7 @@ def test_bare_train_field_override_applies_to_every_arm(tmp_path: Path) -> None:
         ),
         (
             GOOD.replace('kind = "exact"', 'kind = "exactly"'),
-            "FILE: checks.0.kind: expected one of token-exchange-invariants, same-event-sequence, graph-invariants, exact",
+            "FILE: checks.0.kind: expected one of token-exchange-invariants, same-event-sequence, fidelity,",
         ),
         (GOOD + 'arms = ["eager", "graph"]\n', 'FILE: checks.0.arms.1: expected one of eager, plain, got "graph"'),
         (
@@ -120,8 +120,8 @@ def test_bare_train_field_override_applies_to_every_arm(tmp_path: Path) -> None:
         (GOOD.replace("lr = 0.001", 'routing = "random"'), "FILE: train.routing: routing must be one of"),
         (
             GOOD.replace("[train]", '[model]\nconfig = "huge"\n[train]'),
-            "FILE: model.config: expected one of cpu-tiny, debugmodel, deepseek-v3 or a path to a Hugging Face"
-            ' config.json, got "huge"',
+            "FILE: model.config: expected one of cpu-tiny, cpu-tiny-learned, cpu-tiny-learned-no-q-lora, debugmodel,"
+            ' deepseek-v3 or a path to a Hugging Face config.json, got "huge"',
         ),
         (
             GOOD + '[debug]\nfail_mode = "explode"\n',

@@ -56,7 +56,9 @@ SCORING_FUNCS = ("sigmoid", "softmax")
 
 @dataclass(frozen=True)
 class DeepseekV3Config:
-    """Field names match ``transformers.DeepseekV3Config``; ``scoring_func`` adds softmax scoring.
+    """Field names match ``transformers.DeepseekV3Config``; ``scoring_func`` adds softmax scoring, and
+    ``correction_bias_init`` draws the initial ``e_score_correction_bias`` uniformly from [0, it)
+    (0: all zero, as a fresh model has), so that the group-limited choice depends on the bias.
 
     Hugging Face's ``rope_parameters`` dict is flattened: its key ``k`` is the field ``rope_k``
     (``rope_type``, ``rope_factor``, ``rope_mscale_all_dim``, ...); the ``rope_*`` fields other than
@@ -88,6 +90,7 @@ class DeepseekV3Config:
     rope_theta: float = 10000.0
     rope_interleave: bool = True
     attention_bias: bool = False
+    correction_bias_init: float = 0.0
     hidden_act: str = "silu"
     tie_word_embeddings: bool = False
     pad_token_id: int | None = None
@@ -133,9 +136,16 @@ class DeepseekV3Config:
         return layer >= self.first_k_dense_replace
 
 
+_CPU_TINY_LEARNED = DeepseekV3Config(
+    n_group=4, topk_group=2, num_experts_per_tok=3, routed_scaling_factor=2.5, correction_bias_init=0.1
+)
 CONFIGS: dict[str, DeepseekV3Config] = {
     # 20 steps of two arms on 2 CPU ranks take seconds.
     "cpu-tiny": DeepseekV3Config(),
+    # cpu-tiny with what forced-balanced routing never exercises: learned routing over 4 expert
+    # groups (2 chosen), 3 experts per token, a routed scaling factor and a non-zero correction bias.
+    "cpu-tiny-learned": _CPU_TINY_LEARNED,
+    "cpu-tiny-learned-no-q-lora": replace(_CPU_TINY_LEARNED, q_lora_rank=None),
     # torchtitan's deepseek_v3 debugmodel shape, for GPUs.
     "debugmodel": DeepseekV3Config(
         vocab_size=2048,
@@ -580,7 +590,9 @@ class DeepseekV3ForCausalLM(nn.Module):
             if name.endswith("layernorm.weight") or name.endswith("norm.weight"):
                 full[name] = torch.ones(shape)
             elif name.endswith("e_score_correction_bias"):
-                full[name] = torch.zeros(shape)
+                # Drawn only when asked, so that every other config's weights stay as they were.
+                bias = self.cfg.correction_bias_init
+                full[name] = torch.rand(shape, generator=generator) * bias if bias else torch.zeros(shape)
             elif name == "lm_head.weight" and self.cfg.tie_word_embeddings:
                 full[name] = full["model.embed_tokens.weight"]
             else:
