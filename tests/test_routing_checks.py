@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from harness._pending_routing import check_routing_counts
+from harness.checks.routing import check_routing_counts
 
 
 def _launch(step: int, send: list[int], recv: list[int], layer: int = 1, phase: str = "fwd", seq: int = 0) -> dict:

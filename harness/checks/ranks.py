@@ -14,7 +14,10 @@ from __future__ import annotations
 import struct
 from typing import Any
 
+from harness.checks.registry import CheckFamily, SuiteReader, arm_list, register
 from harness.compare import CheckResult, format_steps
+from harness.records import ArmRecords
+from harness.specs import ArmSpec, CheckSpec, SuiteSpec
 
 KIND = "ranks-agree"
 FIELDS = ("loss", "grad_norm", "replicated_hash")
@@ -77,3 +80,16 @@ def check_ranks_agree(name: str, ranks: dict[int, list[dict]]) -> CheckResult:
         f" replicated parameters identical at steps {format_steps(hashed)}"
     )
     return CheckResult(name, KIND, "pass", detail)
+
+
+def parse(kind: str, raw: dict, dotted: str, v: SuiteReader, arms: dict[str, ArmSpec]) -> CheckSpec:
+    v.table(raw, dotted, ("kind", "name", "arms"))
+    name = v.check_name(raw["name"], f"{dotted}.name") if "name" in raw else KIND
+    return CheckSpec(kind, name, arm_list(v, raw, dotted, arms))
+
+
+def run(check: CheckSpec, suite: SuiteSpec, records: dict[str, ArmRecords]) -> list[CheckResult]:
+    return [check_ranks_agree(f"{arm}: {check.name}", records[arm].ranks) for arm in check.arms]
+
+
+register(CheckFamily((KIND,), parse, run))

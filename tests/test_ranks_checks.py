@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 
-from harness._pending_ranks import check_ranks_agree
+from harness.checks.ranks import check_ranks_agree
 
 
 def _records(steps: int = 5, hash_at: tuple[int, ...] = (5,), **per_step: object) -> list[dict]:
