@@ -58,3 +58,54 @@ def test_nothing_to_localise_is_said_not_invented() -> None:
     assert "step" not in first_divergence(same, same, "a", "b")
     absent = first_divergence([], same, "a", "b")
     assert absent == {"summary": "no gradient digests recorded in arm 'a'"}
+
+
+EXPERT_GRADIENT_BUG = """
+import os
+
+import torch
+import torch.nn.functional as F
+
+from harness.reference.model import GroupedExperts
+
+
+class _ScaledGradient(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, weight):
+        return weight.view_as(weight)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad * 1.001  # the weight gradient of down_proj only: the input gradient is untouched
+
+
+def forward(self, x, rows_per_expert):
+    down_proj = _ScaledGradient.apply(self.down_proj)
+    outs = []
+    for e, part in enumerate(x.split(rows_per_expert)):
+        gate, up = F.linear(part, self.gate_up_proj[e]).chunk(2, dim=-1)
+        outs.append(F.linear(F.silu(gate) * up, down_proj[e]))
+    return torch.cat(outs)
+
+
+if os.environ.get("WORLD_SIZE") == "1":  # the inproc arm only
+    GroupedExperts.forward = forward
+"""
+
+
+def test_a_failed_exact_check_names_the_module_whose_gradient_differs_first(run_harness, plant, tmp_path) -> None:
+    out = tmp_path / "run"
+    run = run_harness("run", "logical-ranks", "--steps", 2, "--out", out, env=plant(EXPERT_GRADIENT_BUG))
+    assert run.returncode == 1, run.stdout + run.stderr
+    check = run.check(out, "procs vs inproc: grad_norm")
+    assert check["status"] == "fail" and check["first_divergent_step"] == 1
+    where = check["extra"]["first_gradient_divergence"]
+    # Backward order starts at lm_head: the last MoE layer's experts are the first bugged module it meets.
+    assert (where["step"], where["tensor"], where["parameter"]) == (
+        1,
+        "gradient",
+        "model.layers.2.mlp.experts.down_proj",
+    )
+    assert abs(where["max_rel_diff"] - 1e-3) < 1e-5
+    assert where["summary"] in check["detail"]
+    assert where["summary"] in (out / "report.html").read_text()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from pathlib import Path
 
 from harness.checks.ranks import check_ranks_agree
 
@@ -71,3 +72,36 @@ def test_no_records_fail() -> None:
 def test_records_without_any_hash_fail_since_drift_would_go_unseen() -> None:
     result = check_ranks_agree("x", {0: _records(hash_at=()), 1: _records(hash_at=())})
     assert result.status == "fail" and "no replicated-parameter hash" in result.detail
+
+
+DRIFT = """
+import torch
+
+from harness.reference.train import Trainer
+
+original = Trainer._rank_step
+
+
+def drifting_step(self, rank, step):
+    if rank == 1 and step == 2:  # logical rank 1's replica of lm_head drifts before step 2
+        with torch.no_grad():
+            self.replicas[rank].model.lm_head.weight[0, 0] += 1e-3
+    return original(self, rank, step)
+
+
+Trainer._rank_step = drifting_step
+"""
+
+
+def test_a_replica_that_drifts_on_one_logical_rank_exits_1_naming_ranks_agree(
+    run_harness, plant, tmp_path: Path
+) -> None:
+    """Both arms drift alike, so they still match each other: only ranks-agree can see it."""
+    out = tmp_path / "run"
+    run = run_harness("run", "logical-ranks", "--steps", 3, "--out", out, env=plant(DRIFT))
+    assert run.returncode == 1, run.stdout + run.stderr
+    failed = {c["name"] for c in run.summary(out)["checks"] if c["status"] != "pass" and c["kind"] != "golden"}
+    assert failed == {"procs: ranks-agree", "inproc: ranks-agree"}, failed
+    check = run.check(out, "procs: ranks-agree")
+    assert check["first_divergent_step"] == 3  # hashed at the last step
+    assert check["detail"].startswith("step 3: replicated_hash differs on logical rank 1 from logical rank 0")

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from harness.checks.routing import check_routing_counts
 
 
@@ -75,3 +77,40 @@ def test_no_launches_fail() -> None:
     assert check_routing_counts("x", {}).status == "fail"
     assert check_routing_counts("x", {0: [], 1: []}).status == "fail"
     assert check_routing_counts("x", {0: [_wait(1, 0)], 1: [_wait(1, 0)]}).status == "fail"
+
+
+MISCOUNT = """
+import os
+
+from harness.reference.ep.exchange import TokenExchange
+
+original = TokenExchange._emit
+
+
+def miscounting_emit(self, op_name, op, buffer_set, rows, **counts):
+    if counts and self.rank == 1 and self.step == 2:  # logical rank 1 claims one row more went to rank 0
+        counts["send_counts"] = [counts["send_counts"][0] + 1, *counts["send_counts"][1:]]
+    original(self, op_name, op, buffer_set, rows, **counts)
+
+
+if os.environ.get("WORLD_SIZE") == "2":  # the procs arm only
+    TokenExchange._emit = miscounting_emit
+"""
+
+
+def test_a_send_count_its_receiver_did_not_see_exits_1_naming_routing_counts(
+    run_harness, plant, tmp_path: Path
+) -> None:
+    """Learned routing: the inproc arm's real counts pair up; the procs arm's planted one does not."""
+    out = tmp_path / "run"
+    run = run_harness(
+        "run", "logical-ranks", "--steps", 2, "--set", 'routing="learned"', "--out", out, env=plant(MISCOUNT)
+    )
+    assert run.returncode == 1, run.stdout + run.stderr
+    failed = {c["name"] for c in run.summary(out)["checks"] if c["status"] != "pass" and c["kind"] != "golden"}
+    assert failed == {"procs: routing-counts"}, failed
+    check = run.check(out, "procs: routing-counts")
+    assert check["first_divergent_step"] == 2
+    assert check["detail"].startswith("step 2 fwd layer 1 chunk 0 dispatch: logical rank 1 sends ")
+    assert "rows to logical rank 0, which receives " in check["detail"]
+    assert "each" not in run.check(out, "inproc: routing-counts")["detail"]  # learned: no fixed count
