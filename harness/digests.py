@@ -26,6 +26,7 @@ from __future__ import annotations
 import hashlib
 from collections.abc import Iterable
 
+import numpy as np
 import torch
 
 # Replicated parameters are hashed every this many steps, and at the last step.
@@ -33,29 +34,40 @@ HASH_EVERY = 5
 _HASH_BYTES = 16
 
 
-def _update_hash(h: "hashlib.blake2b", tensor: torch.Tensor) -> None:
-    h.update(tensor.detach().contiguous().cpu().view(torch.uint8).numpy())
+def _flat(tensors: Iterable[torch.Tensor]) -> torch.Tensor:
+    """All tensors as one flat host tensor, in order: one copy instead of one op per tensor."""
+    return torch.cat([t.detach().reshape(-1) for t in tensors]).cpu()
 
 
 def parameters_hash(tensors: Iterable[torch.Tensor]) -> str:
     """One blake2b over the bytes of every tensor, in order: equal iff every bit is."""
-    h = hashlib.blake2b(digest_size=_HASH_BYTES)
-    for tensor in tensors:
-        _update_hash(h, tensor)
-    return h.hexdigest()
-
-
-def tensor_digest(tensor: torch.Tensor) -> list:
-    """``[hash, max abs, L2 norm]``: the hash of its bytes and fp64 statistics to size a difference."""
-    h = hashlib.blake2b(digest_size=_HASH_BYTES)
-    _update_hash(h, tensor)
-    values = tensor.detach().double()
-    return [h.hexdigest(), float(values.abs().max()), float(torch.linalg.vector_norm(values))]
+    return hashlib.blake2b(_flat(tensors).view(torch.uint8).numpy(), digest_size=_HASH_BYTES).hexdigest()
 
 
 def digest_all(tensors: dict[str, torch.Tensor]) -> dict[str, list]:
-    """Digests by name, in the given (registration) order."""
-    return {name: tensor_digest(t) for name, t in tensors.items()}
+    """``{name: [hash, max abs, L2 norm]}`` in the given (registration) order: the hash of each
+    tensor's bytes, and fp64 statistics to size a difference. Computed on one flat copy, with
+    segment reductions, so that a step's ~90 digests cost a few milliseconds, not one op each."""
+    sizes = [t.numel() for t in tensors.values()]
+    if not sizes:
+        return {}
+    flat = _flat(tensors.values())
+    raw, itemsize = flat.view(torch.uint8).numpy(), flat.element_size()
+    values = flat.double().numpy()
+    starts = np.cumsum([0, *sizes[:-1]])
+    nonempty = np.array(sizes) > 0
+    max_abs, l2 = np.zeros(len(sizes)), np.zeros(len(sizes))
+    if nonempty.any():  # reduceat misreads empty segments: reduce the others only
+        max_abs[nonempty] = np.maximum.reduceat(np.abs(values), starts[nonempty])
+        l2[nonempty] = np.sqrt(np.add.reduceat(values * values, starts[nonempty]))
+    return {
+        name: [
+            hashlib.blake2b(raw[start * itemsize : (start + size) * itemsize], digest_size=_HASH_BYTES).hexdigest(),
+            float(max_abs[i]),
+            float(l2[i]),
+        ]
+        for i, (name, start, size) in enumerate(zip(tensors, starts, sizes))
+    }
 
 
 def _difference(a: list, b: list) -> tuple[float, float]:

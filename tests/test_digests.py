@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from harness.digests import digest_all, first_divergence, parameters_hash, tensor_digest
+from harness.digests import digest_all, first_divergence, parameters_hash
 
 NAMES = ("model.embed_tokens.weight", "model.layers.0.mlp.down_proj.weight", "lm_head.weight")
 
@@ -18,13 +18,25 @@ def _tensors(seed: int = 0) -> dict[str, torch.Tensor]:
     return {name: torch.randn(4, 3, generator=gen) for name in NAMES}
 
 
+def _digest(t: torch.Tensor) -> list:
+    return digest_all({"t": t})["t"]
+
+
 def test_a_digest_is_a_bit_exact_hash_plus_max_abs_and_l2_in_fp64() -> None:
     t = torch.tensor([3.0, -4.0])
-    digest = tensor_digest(t)
+    digest = _digest(t)
     assert digest[1:] == [4.0, 5.0]
-    assert tensor_digest(t)[0] == digest[0]
-    assert tensor_digest(torch.tensor([3.0, -4.0 + 2**-20]))[0] != digest[0]
-    assert tensor_digest(torch.tensor([0.0]))[0] != tensor_digest(torch.tensor([-0.0]))[0]
+    assert _digest(t.clone())[0] == digest[0]
+    assert _digest(torch.tensor([3.0, -4.0 + 2**-20]))[0] != digest[0]
+    assert _digest(torch.tensor([0.0]))[0] != _digest(torch.tensor([-0.0]))[0]
+
+
+def test_each_tensor_is_digested_on_its_own_whatever_its_neighbours() -> None:
+    tensors = {"a": torch.randn(3, 2), "empty": torch.empty(0), "b": torch.randn(5), "c": torch.tensor([-7.0])}
+    together = digest_all(tensors)
+    assert list(together) == list(tensors)
+    assert together == {name: _digest(t) for name, t in tensors.items()}
+    assert together["empty"][1:] == [0.0, 0.0] and together["c"][1:] == [7.0, 7.0]
 
 
 def test_the_parameters_hash_covers_every_tensor_in_order() -> None:
