@@ -3,10 +3,11 @@
 Nothing in this package imports from the rest of ``harness``. The harness drives it through
 one small seam, defined in :mod:`harness.reference.train`:
 
-* ``TrainConfig``: every knob of one arm (model config name, EP degree, routing, chunking, ...).
-* ``Trainer(config, event_sink=None, grad_sink=None, update_sink=None)``: built inside each rank process after
-  ``torch.distributed`` is initialised (or with no process group: one process hosts every
-  logical EP rank). Process ``p`` of ``P`` hosts logical ranks ``[p*E/P, (p+1)*E/P)``.
+* ``TrainConfig``: every knob of one arm (model config name and field overrides, EP degree,
+  routing, chunking, ...).
+* ``Trainer(config, event_sink=None, grad_sink=None, update_sink=None)``: built inside each rank
+  process after ``torch.distributed`` is initialised (or with no process group: one process
+  hosts every logical EP rank). Process ``p`` of ``P`` hosts logical ranks ``[p*E/P, (p+1)*E/P)``.
 * ``Trainer.step(step) -> dict``: ``{"step", "loss", "grad_norm", "tokens", "step_time_s"}``;
   loss and grad norm are global and identical on every process.
 * ``Trainer.graph_checks``: for the traced chunkings, the static checks of the graph (one dict
