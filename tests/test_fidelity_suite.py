@@ -34,6 +34,10 @@ def line(step: int, **errors: float) -> dict:
             "grad_hf_max": 1.0,
             "weight_abs_diff": errors.get(f"p{i}_weight", 0.0),
             "weight_hf_max": 1.0,
+            "adam_m_abs_diff": errors.get(f"p{i}_adam_m", 0.0),
+            "adam_m_hf_max": 1.0,
+            "adam_v_abs_diff": 0.0,
+            "adam_v_hf_max": 1.0,
         }
         for i, name in enumerate(PARAMS)
     }
@@ -203,27 +207,64 @@ def choose_ignoring_the_bias(self, scores):
 model.TopkRouter._group_limited_topk = choose_ignoring_the_bias
 """
 
+# Global-norm clipping that leaves the expert gradients unscaled: the grad norm is still right.
+EXPERTS_NOT_CLIPPED = """
+import torch
+
+import harness.reference.train as train
+
+_clip = train.Trainer._clip_by_global_norm
+
+
+def clip_dense_only(self, rank, replica):
+    experts = [p.grad.clone() for p in replica.expert_params]
+    norm = _clip(self, rank, replica)
+    with torch.no_grad():
+        for p, g in zip(replica.expert_params, experts):
+            p.grad.copy_(g)
+    return norm
+
+
+train.Trainer._clip_by_global_norm = clip_dense_only
+"""
+
 
 @needs_transformers
 @pytest.mark.parametrize(
-    ("bug", "parameter"),
-    [(UNSCALED_ROUTING, ".mlp.experts."), (CHOICE_WITHOUT_BIAS, ".mlp.experts.")],
-    ids=["routed-scaling-factor-not-applied", "expert-choice-ignores-correction-bias"],
+    ("bug", "parameter", "options"),
+    [
+        (UNSCALED_ROUTING, r"\.mlp\.experts\.\S+ (grad|adam_[mv])", ()),
+        (CHOICE_WITHOUT_BIAS, r"\.mlp\.experts\.\S+ (grad|adam_[mv])", ()),
+        # max_norm 0.5 makes the first step clip (its grad norm is 0.91).
+        (EXPERTS_NOT_CLIPPED, r"\.mlp\.experts\.\S+ adam_[mv]", ("--set", "train.max_norm=0.5")),
+    ],
+    ids=["routed-scaling-factor-not-applied", "expert-choice-ignores-correction-bias", "experts-not-clipped"],
 )
-def test_routing_bugs_planted_in_the_reference_fail_naming_the_parameter(
-    run_harness, tmp_path: Path, bug: str, parameter: str
+def test_bugs_planted_in_the_reference_fail_naming_the_parameter(
+    run_harness, tmp_path: Path, bug: str, parameter: str, options: tuple[str, ...]
 ) -> None:
     (tmp_path / "bug").mkdir()
     (tmp_path / "bug" / "sitecustomize.py").write_text(FIND_HARNESS + bug)  # loaded by every rank at start-up
     out = tmp_path / "run"
     run = run_harness(
-        "run", "fidelity", "--ranks", 2, "--steps", 2, "--out", out, env={"PYTHONPATH": tmp_path / "bug"}, timeout=600
+        "run",
+        "fidelity",
+        "--ranks",
+        2,
+        "--steps",
+        2,
+        *options,
+        "--out",
+        out,
+        env={"PYTHONPATH": tmp_path / "bug"},
+        timeout=600,
     )
     assert run.returncode == 1, run.stdout + run.stderr
     for name, check in _fidelity(run, out).items():
         assert check["status"] == "fail" and check["first_divergent_step"] == 1, check
-        assert re.match(r"step 1: (loss|model\.\S+ (grad|weight)) rel err \S+ > 1e-05", check["detail"]), check
-        assert parameter in check["detail"], check["detail"]
+        pattern = r"step 1: (loss|model\.\S+ (grad|weight|adam_m|adam_v)) rel err \S+ > 1e-05"
+        assert re.match(pattern, check["detail"]), check
+        assert re.search(parameter, check["detail"]), check["detail"]
         assert f"FAIL  {name}" in run.stdout
 
 

@@ -7,7 +7,9 @@ the Hugging Face tensor. Here each quantity's relative error, ``max|diff| / max|
 and grad norm's: ``|diff| / |hf|``), must stay within its tier:
 
 - ``max_rel_err`` (default 1e-5, the fp32 tier of the reference's unit test) for the loss, the
-  grad norm and every gradient: equivalent fp32 summation orders differ by ~1e-6;
+  grad norm, every gradient and AdamW's two moments after the step (``adam_m``, ``adam_v``), which
+  are linear and quadratic in the clipped gradient: equivalent fp32 summation orders differ by ~1e-6,
+  and a clipping or moment bug shows here at the first step;
 - ``weight_max_rel_err`` (default 1e-3) for every updated weight. Adam divides each gradient by
   its own magnitude: where an element's gradient is near AdamW's eps (1e-8), gradients equal to
   ~1e-6 of their tensor's largest move that element's update by up to ``lr * diff / eps``. At
@@ -31,7 +33,16 @@ from harness.specs import ArmSpec, CheckSpec, SuiteSpec
 KIND = "fidelity"
 DEFAULT_TIERS = {"max_rel_err": 1e-5, "weight_max_rel_err": 1e-3}
 SCALARS = ("loss", "grad_norm")  # recorded beside hf_loss and hf_grad_norm
-PARAM_FIELDS = ("grad_abs_diff", "grad_hf_max", "weight_abs_diff", "weight_hf_max")
+PARAM_FIELDS = (
+    "grad_abs_diff",
+    "grad_hf_max",
+    "weight_abs_diff",
+    "weight_hf_max",
+    "adam_m_abs_diff",
+    "adam_m_hf_max",
+    "adam_v_abs_diff",
+    "adam_v_hf_max",
+)
 SHOWN = 3  # differences named in a failure's detail
 
 
@@ -79,6 +90,8 @@ def step_errors(line: dict, params: list[str]) -> dict[str, tuple[float, str]]:
         p = line["params"][name]
         errors[f"{name} grad"] = (rel_err(p["grad_abs_diff"], p["grad_hf_max"]), "max_rel_err")
         errors[f"{name} weight"] = (rel_err(p["weight_abs_diff"], p["weight_hf_max"]), "weight_max_rel_err")
+        for moment in ("adam_m", "adam_v"):
+            errors[f"{name} {moment}"] = (rel_err(p[f"{moment}_abs_diff"], p[f"{moment}_hf_max"]), "max_rel_err")
     return errors
 
 
@@ -132,7 +145,7 @@ def judge(name: str, lines: list[dict], steps: int, tiers: dict[str, float]) -> 
         return CheckResult(name, KIND, "fail", detail)
     largest = "; ".join(f"{label} {err:.1e}" for err, label in worst.values())
     detail = (
-        f"{steps} steps: loss, grad norm and the gradients of {len(params)} parameters within"
+        f"{steps} steps: loss, grad norm, the gradients and AdamW moments of {len(params)} parameters within"
         f" {tiers['max_rel_err']:g}, updated weights within {tiers['weight_max_rel_err']:g} of Hugging Face"
         f" (largest rel err: {largest})"
     )

@@ -101,6 +101,12 @@ def differences(ours: Tensors, theirs: Tensors, what: str) -> dict[str, dict[str
     }
 
 
+# AdamW's moments, compared beside the weights: linear (exp_avg) and quadratic (exp_avg_sq) in the
+# clipped gradient, they show a clipping or moment bug at the gradient's own tier, where the
+# updated weights (divided by sqrt(exp_avg_sq) + eps) can only be held to a looser one.
+ADAM_MOMENTS = {"exp_avg": "adam_m", "exp_avg_sq": "adam_v"}
+
+
 class HFLockstep:
     """A reference :class:`Trainer` and a Hugging Face model stepped together; the arm's trainer.
 
@@ -165,8 +171,14 @@ class HFLockstep:
         updated = self._gather(
             {r: dict(replica.model.named_parameters()) for r, replica in self.trainer.replicas.items()}
         )
+        moments = {key: self._gather(self._adam_state(key)) for key in ADAM_MOMENTS}
         if self.hf is not None and self.fidelity_sink is not None:
             weight_diffs = differences(updated, dict(self.hf.named_parameters()), "weight")
+            hf_state = {n: self.optimizer.state[p] for n, p in self.hf.named_parameters()}
+            for key, label in ADAM_MOMENTS.items():
+                theirs = {n: state[key] for n, state in hf_state.items()}
+                for name, diff in differences(moments[key], theirs, label).items():
+                    weight_diffs[name] |= diff
             self.fidelity_sink(
                 {
                     "step": step,
@@ -178,6 +190,13 @@ class HFLockstep:
                 }
             )
         return result
+
+    def _adam_state(self, key: str) -> dict[int, Tensors]:
+        """Each local logical rank's AdamW moment ``key`` per parameter, after this step."""
+        return {
+            r: {n: replica.optimizer.state[p][key] for n, p in replica.model.named_parameters()}
+            for r, replica in self.trainer.replicas.items()
+        }
 
     def _hf_loss_and_grads(self, step: int) -> float:
         """Forward and backward of the global batch; the loss is the mean of the ranks' mean NLLs."""
