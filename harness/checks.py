@@ -17,6 +17,7 @@ from harness.invariants import (
     check_planned_exchanges,
     check_same_event_sequence,
     check_staleness_ages,
+    delayed_oracle_plan,
     pipeline_plan,
     training_plan,
 )
@@ -79,7 +80,9 @@ def _exchange_results(arm: str, spec: ArmSpec, records: ArmRecords) -> list[Chec
     train = spec.train
     chunks = train["chunks"] if train["chunking"] != "none" else 1
     steps = records.metrics.index.tolist()
-    if spec.versioned:
+    if spec.versioned and train["trainer"] == "delayed-oracle":
+        plan = delayed_oracle_plan(len(steps), train["delay"], always_correct=train["correction"] == "always")
+    elif spec.versioned:
         replay, always = train["retention"] == "replay", train["correction"] == "always"
         plan = pipeline_plan(len(steps), train["delay"], replay=replay, always_correct=always)
     else:
@@ -99,7 +102,7 @@ def _pipeline_result(check: CheckSpec, spec: ArmSpec, records: ArmRecords, steps
     elif check.kind == "staleness-ages":
         result = check_staleness_ages(records.updates, train["delay"])
     else:
-        result = check_correction_stats(records.updates, train["correction"], train["delay"])
+        result = check_correction_stats(records.updates, train["correction"], train["delay"], train["correction_clip"])
     return dataclasses.replace(result, name=f"{spec.name}: {check.name}")
 
 

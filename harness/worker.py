@@ -5,9 +5,10 @@ compares: ``arms/<arm>/metrics.jsonl`` (process rank 0) and
 ``arms/<arm>/events.rank<logical rank>.jsonl`` (the process hosting that logical rank). Every
 line is flushed, so a crash leaves every finished step on disk.
 
-A plain arm runs on ``Trainer``, a versioned arm (one that sets a pipeline field) on
-``VersionedTrainer``, whose metrics lines add the pipeline's columns (tick, revision, ages,
-batches_applied, correction statistics, forwards, recomputes).
+A plain arm runs on ``Trainer``, a versioned arm (one that sets a pipeline field) on the trainer
+its ``trainer`` field names: ``VersionedTrainer``, or ``DelayedOracleTrainer``, the same delayed
+training written from the definition. Their metrics lines add the pipeline's columns (tick,
+revision, ages, batches_applied, correction statistics, forwards, recomputes).
 """
 
 from __future__ import annotations
@@ -32,8 +33,10 @@ import torch.distributed as dist
 from torch.distributed.elastic.multiprocessing.errors import record
 
 from harness.records import JsonlWriter, write_json_atomic
+from harness.reference.delayed_oracle import DelayedOracleTrainer
+from harness.reference.ep.exchange import EventSink
 from harness.reference.pipeline import PipelineConfig, VersionedTrainer
-from harness.reference.train import Trainer
+from harness.reference.train import TrainConfig, Trainer
 from harness.suites import train_config
 
 _PR_SET_PDEATHSIG = 1
@@ -41,6 +44,8 @@ _PR_SET_PDEATHSIG = 1
 AGENT_PID_ENV = "HARNESS_AGENT_PID"
 # Exit code of an injected `fail_mode = "exit"`, recognisable in the parent's message.
 INJECTED_EXIT_CODE = 13
+# PipelineConfig.trainer -> the class that runs such an arm.
+PIPELINE_TRAINERS: dict[str, type[Trainer]] = {"versioned": VersionedTrainer, "delayed-oracle": DelayedOracleTrainer}
 
 
 def _die_with_parent() -> None:
@@ -92,7 +97,7 @@ def updates(trainer: Trainer, steps: int, before_step: Callable[[int], bool]) ->
     at delay 0 it then trains on the data a plain Trainer sees at the same step, so the two
     compare exactly. Its updates, counted from 0, become steps from 1; update k applies batch k.
     """
-    versioned = isinstance(trainer, VersionedTrainer)
+    versioned = isinstance(trainer, tuple(PIPELINE_TRAINERS.values()))
 
     def ticks() -> Iterator[dict | None]:
         for step in range(1, steps + 1):
@@ -105,6 +110,13 @@ def updates(trainer: Trainer, steps: int, before_step: Callable[[int], bool]) ->
     for result in ticks():
         if result is not None:
             yield {**result, "step": result["step"] + 1} if versioned else result
+
+
+def build_trainer(config: TrainConfig, event_sink: EventSink) -> Trainer:
+    """A plain arm's Trainer, or the trainer a versioned arm's ``trainer`` field names."""
+    if isinstance(config, PipelineConfig):
+        return PIPELINE_TRAINERS[config.trainer](config, event_sink=event_sink)
+    return Trainer(config, event_sink=event_sink)
 
 
 def run_arm(run_dir: Path, arm: str, train: dict[str, Any], steps: int, debug: dict[str, Any]) -> None:
@@ -126,7 +138,7 @@ def run_arm(run_dir: Path, arm: str, train: dict[str, Any], steps: int, debug: d
                     writers[logical_rank] = stack.enter_context(JsonlWriter(path))
             writers[logical_rank].write(event)
 
-        trainer = (VersionedTrainer if isinstance(config, PipelineConfig) else Trainer)(config, event_sink=sink)
+        trainer = build_trainer(config, sink)
         stack.callback(trainer.close)
         metrics = stack.enter_context(JsonlWriter(arm_dir / "metrics.jsonl")) if rank == 0 else None
         if rank == 0:
