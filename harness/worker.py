@@ -37,7 +37,7 @@ from harness.reference.delayed_oracle import DelayedOracleTrainer
 from harness.reference.ep.exchange import EventSink
 from harness.reference.pipeline import PipelineConfig, VersionedTrainer
 from harness.reference.train import TrainConfig, Trainer
-from harness.suites import train_config
+from harness.specs import train_config
 
 _PR_SET_PDEATHSIG = 1
 # The harness process (the elastic agent) exports its pid, so a rank can tell it was orphaned.
