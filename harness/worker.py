@@ -3,7 +3,9 @@
 Runs each arm of the group in turn, re-seeded identically, and streams what the parent
 compares: ``arms/<arm>/metrics.jsonl`` (process rank 0) and
 ``arms/<arm>/events.rank<logical rank>.jsonl`` (the process hosting that logical rank). Every
-line is flushed, so a crash leaves every finished step on disk.
+line is flushed, so a crash leaves every finished step on disk. After the arm's last update, the
+process hosting each logical rank writes ``arms/<arm>/weights.rank<logical rank>.json``: a SHA-256
+of each of its parameters, so final weights compare bit for bit without being stored.
 
 A plain arm runs on ``Trainer``, a versioned arm (one that sets a pipeline field) on the trainer
 its ``trainer`` field names: ``VersionedTrainer``, or ``DelayedOracleTrainer``, the same delayed
@@ -17,6 +19,7 @@ import contextlib
 import ctypes
 import ctypes.util
 import faulthandler
+import hashlib
 import json
 import os
 import random
@@ -119,6 +122,16 @@ def build_trainer(config: TrainConfig, event_sink: EventSink) -> Trainer:
     return Trainer(config, event_sink=event_sink)
 
 
+def weights_digest(model: torch.nn.Module, updates_done: int) -> dict[str, Any]:
+    """``{"updates", "parameters": {name: sha256 of dtype, shape and bytes}}`` of one logical rank."""
+    digests = {}
+    for name, param in model.named_parameters():
+        data = param.detach().cpu().contiguous()
+        header = f"{data.dtype} {tuple(data.shape)}".encode()
+        digests[name] = hashlib.sha256(header + data.view(torch.uint8).numpy().tobytes()).hexdigest()
+    return {"updates": updates_done, "parameters": digests}
+
+
 def run_arm(run_dir: Path, arm: str, train: dict[str, Any], steps: int, debug: dict[str, Any]) -> None:
     """Builds the arm's trainer from a fresh seed and runs its steps, streaming records."""
     rank = dist.get_rank()
@@ -151,13 +164,18 @@ def run_arm(run_dir: Path, arm: str, train: dict[str, Any], steps: int, debug: d
                     "cpu_capability": torch.backends.cpu.get_cpu_capability().lower(),
                 },
             )
+        updates_done = 0
         for result in updates(trainer, steps, lambda step: _inject_fault(debug, arm, step, rank)):
+            updates_done += 1
             if metrics is not None:
                 metrics.write(result)
             print(
                 f"[arm {arm}] step {result['step']}/{steps} loss={result['loss']!r} grad_norm={result['grad_norm']!r}",
                 flush=True,
             )
+        for logical_rank, replica in trainer.replicas.items():
+            digest = weights_digest(replica.model, updates_done)
+            write_json_atomic(arm_dir / f"weights.rank{logical_rank}.json", digest)
 
 
 @record

@@ -5,10 +5,11 @@
 * :mod:`~harness.checks.exchange`: token-exchange invariants on the launch/wait events, and the
   same event sequence in two arms;
 * :mod:`~harness.checks.versioned`: the version protocol of a delayed pipeline on its updates;
-* :mod:`~harness.checks.graph`: static checks of a traced arm's graph.
+* :mod:`~harness.checks.graph`: static checks of a traced arm's graph;
+* :mod:`~harness.checks.weights`: two arms' final weights, bit for bit.
 """
 
-from harness.checks import exchange, graph, pairs, versioned  # noqa: F401  (they register)
+from harness.checks import exchange, graph, pairs, versioned, weights  # noqa: F401  (they register)
 from harness.checks.registry import FAMILIES, CheckFamily, register, run_check
 
 CHECK_KINDS = tuple(FAMILIES)
