@@ -3,6 +3,7 @@ weights) across delays, corrections and retention modes, and it catches bugs pla
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -15,6 +16,7 @@ from harness.reference.delayed_oracle import DelayedOracleTrainer
 from harness.reference.pipeline import PipelineConfig, VersionedTrainer
 from harness.suites import SuiteError, load_suite
 
+REPO = Path(__file__).resolve().parent.parent
 EP = {"ep": 2, "chunking": "eager", "chunks": 2}
 STEPS = 5  # fill, steady state and drain at delay 2
 # Record fields both trainers must agree on; forwards are counted per tick and differ by design
@@ -172,12 +174,14 @@ versioned.VersionedModel._current_snapshot = first_snapshot_forever
     "unweighted-cotangent": """
 versioned._ScaleCotangent.backward = staticmethod(lambda ctx, grad: (grad, None))
 """,
-    # Retention (offload): host buffers pooled by shape, so a later save overwrites an earlier one.
+    # Retention (offload): float host buffers pooled by shape, so a later save overwrites an earlier one.
     "pooled-offload": """
 def pooled_offload_hooks(device):
     pool = {}
 
     def pack(tensor):
+        if not tensor.is_floating_point():
+            return tensor.device, tensor.clone()
         host = pool.setdefault((tensor.shape, tensor.dtype), torch.empty(tensor.shape, dtype=tensor.dtype))
         host.copy_(tensor)
         return tensor.device, host
@@ -204,7 +208,8 @@ init = pipeline.VersionedTrainer.__init__
 
 def init_with_short_fill(self, config, *args, **kwargs):
     init(self, config, *args, **kwargs)
-    self.config = pipeline.PipelineConfig(**{**vars(config), "delay": config.delay - 1})
+    if config.delay > 0:
+        self.config = pipeline.PipelineConfig(**{**vars(config), "delay": config.delay - 1})
 
 pipeline.VersionedTrainer.__init__ = init_with_short_fill
 """,
@@ -232,7 +237,7 @@ def test_a_bug_planted_in_the_pipeline_fails_the_oracle_check(run_harness, tmp_p
     retention = ["--set", "arms.stale.retention=offload"] if bug == "pooled-offload" else []
     run = run_harness(
         "run", "strict-vs-stale", "--steps", 5, *retention, "--golden", "off", "--out", out,
-        env={"PYTHONPATH": tmp_path / "bug"},
+        env={"PYTHONPATH": f"{tmp_path / 'bug'}{os.pathsep}{REPO}"},  # the bug imports this checkout's harness
     )  # fmt: skip
     assert run.returncode == 1, run.stdout + run.stderr
     failed = [name for name in ORACLE_CHECKS if run.check(out, name)["status"] == "fail"]
