@@ -10,9 +10,10 @@ count of every arm, and ``ep`` defaults to the suite's ``ranks``. So an arm that
 ``ranks = 1`` hosts the whole EP group in one process (logical ranks), whatever ``--ranks``.
 
 Trainers: an arm that sets any field of the delayed pipeline (``delay``,
-``max_gradient_staleness``, ``retention``, ``correction``, ``apply_twice_batch``), in its own
-table or in ``[train]``, is a *versioned* arm: it resolves to a ``PipelineConfig`` and runs on
-``VersionedTrainer``; every other arm is a plain ``TrainConfig`` on ``Trainer``.
+``max_gradient_staleness``, ``retention``, ``correction``, ``correction_clip``, ``trainer``,
+``apply_twice_batch``), in its own table or in ``[train]``, is a *versioned* arm: it resolves to a
+``PipelineConfig`` and runs on ``VersionedTrainer``, or on ``DelayedOracleTrainer`` with
+``trainer = "delayed-oracle"``; every other arm is a plain ``TrainConfig`` on ``Trainer``.
 """
 
 from __future__ import annotations
