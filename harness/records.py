@@ -136,6 +136,7 @@ class ArmRecords:
     graph_checks: list[dict] = field(default_factory=list)  # static checks of a traced arm's graph
     cpu_capability: str | None = None  # the ISA ATen dispatched to in the arm's ranks
     final_weights: dict[int, dict] = field(default_factory=dict)  # logical rank -> digests after the last update
+    fidelity: list[dict] = field(default_factory=list)  # an oracle arm's fidelity.jsonl, one line per step
     error: str | None = None  # unreadable records
 
     def steps_done(self) -> int:
@@ -155,6 +156,8 @@ def read_arm(run_dir: Path, arm: str, logical_ranks: int) -> ArmRecords:
             records.moe_layers = arm_info.get("moe_layers")
             records.graph_checks = arm_info.get("graph_checks", [])
             records.cpu_capability = arm_info.get("cpu_capability")
+        if (arm_dir / "fidelity.jsonl").is_file():
+            records.fidelity = read_jsonl(arm_dir / "fidelity.jsonl")
         for logical_rank in range(logical_ranks):
             path = arm_dir / f"events.rank{logical_rank}.jsonl"
             records.events[logical_rank] = read_jsonl(path) if path.is_file() else []

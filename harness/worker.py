@@ -4,13 +4,16 @@ Runs each arm of the group in turn, re-seeded identically, and streams what the 
 compares: ``arms/<arm>/metrics.jsonl`` (process rank 0) and
 ``arms/<arm>/events.rank<logical rank>.jsonl`` (the process hosting that logical rank). Every
 line is flushed, so a crash leaves every finished step on disk. After the arm's last update, the
-process hosting each logical rank writes ``arms/<arm>/weights.rank<logical rank>.json``: a SHA-256
-of each of its parameters, so final weights compare bit for bit without being stored.
+process hosting each logical rank of a reference trainer writes
+``arms/<arm>/weights.rank<logical rank>.json``: a SHA-256 of each of its parameters, so final
+weights compare bit for bit without being stored.
 
 A plain arm runs on ``Trainer``, a versioned arm (one that sets a pipeline field) on the trainer
 its ``trainer`` field names: ``VersionedTrainer``, or ``DelayedOracleTrainer``, the same delayed
 training written from the definition. Their metrics lines add the pipeline's columns (tick,
-revision, ages, batches_applied, correction statistics, forwards, recomputes).
+revision, ages, batches_applied, correction statistics, forwards, recomputes). An arm with ``oracle = "hf"``
+runs ``Trainer`` in lockstep with Hugging Face transformers (:mod:`harness.oracles.hf`) and
+also streams ``arms/<arm>/fidelity.jsonl`` (process rank 0).
 """
 
 from __future__ import annotations
@@ -29,7 +32,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -41,6 +44,9 @@ from harness.reference.ep.exchange import EventSink
 from harness.reference.pipeline import PipelineConfig, VersionedTrainer
 from harness.reference.train import TrainConfig, Trainer
 from harness.specs import train_config
+
+if TYPE_CHECKING:
+    from harness.oracles.hf import HFLockstep
 
 _PR_SET_PDEATHSIG = 1
 # The harness process (the elastic agent) exports its pid, so a rank can tell it was orphaned.
@@ -115,8 +121,14 @@ def updates(trainer: Trainer, steps: int, before_step: Callable[[int], bool]) ->
             yield {**result, "step": result["step"] + 1} if versioned else result
 
 
-def build_trainer(config: TrainConfig, event_sink: EventSink) -> Trainer:
-    """A plain arm's Trainer, or the trainer a versioned arm's ``trainer`` field names."""
+def make_trainer(
+    config: TrainConfig, oracle: str | None, event_sink: EventSink, fidelity_sink: Callable[[dict], None] | None
+) -> Trainer | VersionedTrainer | HFLockstep:
+    """The arm's trainer; transformers is imported only by an arm that trains against it."""
+    if oracle == "hf":
+        from harness.oracles.hf import HFLockstep
+
+        return HFLockstep(config, event_sink=event_sink, fidelity_sink=fidelity_sink)
     if isinstance(config, PipelineConfig):
         return PIPELINE_TRAINERS[config.trainer](config, event_sink=event_sink)
     return Trainer(config, event_sink=event_sink)
@@ -132,8 +144,9 @@ def weights_digest(model: torch.nn.Module, updates_done: int) -> dict[str, Any]:
     return {"updates": updates_done, "parameters": digests}
 
 
-def run_arm(run_dir: Path, arm: str, train: dict[str, Any], steps: int, debug: dict[str, Any]) -> None:
+def run_arm(run_dir: Path, arm: str, spec: dict[str, Any], steps: int, debug: dict[str, Any]) -> None:
     """Builds the arm's trainer from a fresh seed and runs its steps, streaming records."""
+    train = spec["train"]
     rank = dist.get_rank()
     arm_dir = run_dir / "arms" / arm
     config = train_config(train)
@@ -151,9 +164,12 @@ def run_arm(run_dir: Path, arm: str, train: dict[str, Any], steps: int, debug: d
                     writers[logical_rank] = stack.enter_context(JsonlWriter(path))
             writers[logical_rank].write(event)
 
-        trainer = build_trainer(config, sink)
-        stack.callback(trainer.close)
         metrics = stack.enter_context(JsonlWriter(arm_dir / "metrics.jsonl")) if rank == 0 else None
+        fidelity = (
+            stack.enter_context(JsonlWriter(arm_dir / "fidelity.jsonl")) if rank == 0 and spec["oracle"] else None
+        )
+        trainer = make_trainer(config, spec["oracle"], sink, fidelity.write if fidelity else None)
+        stack.callback(trainer.close)
         if rank == 0:
             write_json_atomic(
                 arm_dir / "arm.json",
@@ -173,9 +189,10 @@ def run_arm(run_dir: Path, arm: str, train: dict[str, Any], steps: int, debug: d
                 f"[arm {arm}] step {result['step']}/{steps} loss={result['loss']!r} grad_norm={result['grad_norm']!r}",
                 flush=True,
             )
-        for logical_rank, replica in trainer.replicas.items():
-            digest = weights_digest(replica.model, updates_done)
-            write_json_atomic(arm_dir / f"weights.rank{logical_rank}.json", digest)
+        if isinstance(trainer, Trainer):  # the reference's own trainers: their replicas hold the weights
+            for logical_rank, replica in trainer.replicas.items():
+                digest = weights_digest(replica.model, updates_done)
+                write_json_atomic(arm_dir / f"weights.rank{logical_rank}.json", digest)
 
 
 @record
@@ -191,7 +208,7 @@ def main(argv: list[str]) -> None:
     _init_process_group(manifest["device"], manifest["backend"])
     print(f"rank {dist.get_rank()}/{dist.get_world_size()} of group {group_name}: pid {os.getpid()}", flush=True)
     for arm in group["arms"]:
-        run_arm(run_dir, arm, suite["arms"][arm]["train"], suite["steps"], suite["debug"])
+        run_arm(run_dir, arm, suite["arms"][arm], suite["steps"], suite["debug"])
     dist.destroy_process_group()
 
 

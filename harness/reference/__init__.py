@@ -3,7 +3,8 @@
 Nothing in this package imports from the rest of ``harness``. The harness drives it through
 one small seam, defined in :mod:`harness.reference.train`:
 
-* ``TrainConfig``: every knob of one arm (model config name, EP degree, routing, chunking, ...).
+* ``TrainConfig``: every knob of one arm (model config name and field overrides, EP degree,
+  routing, chunking, ...).
 * ``Trainer(config, event_sink=None)``: built inside each rank process after
   ``torch.distributed`` is initialised (or with no process group: one process hosts every
   logical EP rank). Process ``p`` of ``P`` hosts logical ranks ``[p*E/P, (p+1)*E/P)``.

@@ -16,8 +16,8 @@ import json
 import os
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import asdict, dataclass
-from typing import Callable
+from dataclasses import asdict, dataclass, field
+from typing import Any, Callable
 
 import torch
 
@@ -35,7 +35,13 @@ from harness.reference.chunking.graph_step import FAULTS, GraphStep, build_graph
 from harness.reference.chunking.schedule import EPScheduler
 from harness.reference.ep.exchange import EventSink, TokenExchange, bind
 from harness.reference.ep.group import LogicalGroup
-from harness.reference.model import DeepseekV3ForCausalLM, MLAttention, causal_lm_loss, get_config
+from harness.reference.model import (
+    DeepseekV3Config,
+    DeepseekV3ForCausalLM,
+    MLAttention,
+    causal_lm_loss,
+    get_config,
+)
 
 ROUTINGS = ("forced-balanced", "learned")
 # "eager-traced" and "graph" run one traced train step (forward, loss, backward) per rank instead
@@ -52,7 +58,9 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 class TrainConfig:
     """Everything that defines one arm's training run."""
 
-    model: str = "cpu-tiny"
+    model: str = "cpu-tiny"  # a name in model.CONFIGS
+    # DeepseekV3Config fields replacing the named config's (a shrunk checkpoint config, --set model.X)
+    model_overrides: dict[str, Any] = field(default_factory=dict)
     ep: int = 2  # logical EP degree, also the data-parallel degree
     seed: int = 42
     routing: str = "forced-balanced"
@@ -91,9 +99,13 @@ class TrainConfig:
             raise ValueError(f"dtype must be one of {tuple(DTYPES)}, got {self.dtype!r}")
         if self.ep < 1 or self.chunks < 1 or self.num_buffer_sets < 1:
             raise ValueError("ep, chunks and num_buffer_sets must be >= 1")
-        n_experts = get_config(self.model).n_routed_experts
+        n_experts = self.model_config().n_routed_experts
         if n_experts % self.ep:
             raise ValueError(f"EP degree {self.ep} does not divide the {n_experts} routed experts of {self.model}")
+
+    def model_config(self) -> DeepseekV3Config:
+        """The model this arm trains: the named config with the overrides applied."""
+        return get_config(self.model, **self.model_overrides)
 
 
 def set_determinism(device: str) -> None:
@@ -122,7 +134,7 @@ class _Replica:
     def __init__(
         self, config: TrainConfig, group: LogicalGroup, rank: int, device: torch.device, sink: EventSink | None
     ) -> None:
-        cfg = get_config(config.model)
+        cfg = config.model_config()
         self.model = DeepseekV3ForCausalLM(cfg, ep_rank=rank, ep_size=config.ep)
         self.model.init_weights(torch.Generator().manual_seed(config.seed))
         self.model.set_forced_balanced(config.routing == "forced-balanced")
@@ -175,7 +187,7 @@ class Trainer:
         self.group = LogicalGroup(config.ep)
         self.logical_ranks = self.group.local_ranks
         self.device = self._device()
-        self.cfg = get_config(config.model)
+        self.cfg = config.model_config()
         self.replicas = {r: _Replica(config, self.group, r, self.device, event_sink) for r in self.logical_ranks}
         self.moe_layers = self.replicas[self.logical_ranks[0]].model.moe_layers
         self.graph_step = self._build_graph_step() if config.chunking in TRACED else None
