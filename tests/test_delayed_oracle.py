@@ -104,6 +104,7 @@ def test_oracle_plan_counts_its_exchanges_per_tick() -> None:
     }  # fmt: skip
 
 
+ORACLE = 'trainer = "delayed-oracle"\n'
 SUITE = """
 name = "oracle"
 description = "a versioned arm and its oracle"
@@ -120,18 +121,27 @@ kind = "final-weights"
 
 
 @pytest.mark.parametrize(
-    "extra,expected",
+    "fields,expected",
     [
         ('trainer = "naive"\n', "arms.oracle.trainer: trainer must be one of ('versioned', 'delayed-oracle')"),
-        ("apply_twice_batch = 2\n", "arms.oracle.apply_twice_batch: apply_twice_batch plants a bug in the versioned"),
-        ("correction_clip = 0.0\n", "arms.oracle.correction_clip: correction_clip must be a finite number > 0"),
-        ("ep = 4\n", "checks.0.arms: final weights compare logical rank by logical rank; stale has EP 2, oracle EP 4"),
+        (
+            ORACLE + "apply_twice_batch = 2\n",
+            "arms.oracle.apply_twice_batch: apply_twice_batch plants a bug in the versioned",
+        ),
+        (
+            ORACLE + "correction_clip = 0.0\n",
+            "arms.oracle.correction_clip: correction_clip must be a finite number > 0",
+        ),
+        (
+            ORACLE + "ep = 4\n",
+            "checks.0.arms: final weights compare logical rank by logical rank; stale has EP 2, oracle EP 4",
+        ),
     ],
     ids=["unknown-trainer", "planted-bug-in-oracle", "clip", "ep-mismatch"],
 )
-def test_oracle_fields_are_validated(tmp_path: Path, extra: str, expected: str) -> None:
+def test_oracle_fields_are_validated(tmp_path: Path, fields: str, expected: str) -> None:
     path = tmp_path / "suite.toml"
-    path.write_text(SUITE.replace('trainer = "delayed-oracle"\n', 'trainer = "delayed-oracle"\n' + extra))
+    path.write_text(SUITE.replace(ORACLE, fields))
     with pytest.raises(SuiteError) as info:
         load_suite(str(path))
     assert str(info.value).startswith(f"{path}: {expected}"), str(info.value)
