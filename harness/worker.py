@@ -1,12 +1,11 @@
 """One rank of a launch group: ``python -m harness.worker RUN_DIR GROUP``, started by launch.py.
 
 Runs each arm of the group in turn, re-seeded identically, and streams what the parent
-compares: ``arms/<arm>/metrics.jsonl`` (process rank 0) and
-``arms/<arm>/events.rank<logical rank>.jsonl`` (the process hosting that logical rank). Every
-line is flushed, so a crash leaves every finished step on disk. After the arm's last update, the
-process hosting each logical rank of a reference trainer writes
-``arms/<arm>/weights.rank<logical rank>.json``: a SHA-256 of each of its parameters, so final
-weights compare bit for bit without being stored.
+compares: ``arms/<arm>/metrics.jsonl`` and ``digests.jsonl`` (process rank 0, for logical rank 0),
+and ``events.rank<k>.jsonl`` and ``ranks.rank<k>.jsonl`` (the process hosting logical rank k; see
+:mod:`harness.digests`). Every line is flushed, so a crash leaves every finished step on disk.
+After the arm's last update, the process hosting each logical rank of a reference trainer writes
+``weights.rank<k>.json``: a SHA-256 of each of its parameters, so final weights compare bit for bit.
 
 A plain arm runs on ``Trainer``, a versioned arm (one that sets a pipeline field) on the trainer
 its ``trainer`` field names: ``VersionedTrainer``, or ``DelayedOracleTrainer``, the same delayed
@@ -38,11 +37,12 @@ import torch
 import torch.distributed as dist
 from torch.distributed.elastic.multiprocessing.errors import record
 
+from harness.digests import HASH_EVERY, digest_all, parameters_hash
 from harness.records import JsonlWriter, write_json_atomic
 from harness.reference.delayed_oracle import DelayedOracleTrainer
 from harness.reference.ep.exchange import EventSink
 from harness.reference.pipeline import PipelineConfig, VersionedTrainer
-from harness.reference.train import TrainConfig, Trainer
+from harness.reference.train import GradSink, RankUpdate, TrainConfig, Trainer, UpdateSink
 from harness.specs import train_config
 
 if TYPE_CHECKING:
@@ -121,17 +121,67 @@ def updates(trainer: Trainer, steps: int, before_step: Callable[[int], bool]) ->
             yield {**result, "step": result["step"] + 1} if versioned else result
 
 
+class _ArmFiles:
+    """The record files of one arm, opened on first write. Logical ranks call from their own
+    threads; each file is written by one thread only (its logical rank's)."""
+
+    def __init__(self, arm_dir: Path, stack: contextlib.ExitStack) -> None:
+        self._arm_dir, self._stack = arm_dir, stack
+        self._writers: dict[str, JsonlWriter] = {}
+        self._opening = threading.Lock()
+
+    def write(self, name: str, record: dict) -> None:
+        if name not in self._writers:
+            with self._opening:
+                self._writers[name] = self._stack.enter_context(JsonlWriter(self._arm_dir / name))
+        self._writers[name].write(record)
+
+
+class _RankRecorder:
+    """The trainer's gradient and update sinks: every logical rank's loss, grad norm and replicated
+    parameter hash, and logical rank 0's gradient and parameter digests (see harness.digests).
+
+    Steps are numbered as :func:`updates` numbers them: a versioned trainer counts its updates from 0.
+    """
+
+    def __init__(self, files: _ArmFiles, steps: int, versioned: bool) -> None:
+        self._files, self._steps = files, steps
+        self._offset = 1 if versioned else 0
+        self._grad_digests: dict[int, dict[str, list]] = {}  # logical rank 0's, until its update
+
+    def grads(self, logical_rank: int, step: int, grads: dict[str, torch.Tensor]) -> None:
+        if logical_rank == 0:
+            self._grad_digests[step + self._offset] = digest_all(grads)
+
+    def update(self, logical_rank: int, step: int, update: RankUpdate) -> None:
+        step += self._offset
+        record: dict[str, Any] = {"step": step, "loss": update.loss, "grad_norm": update.grad_norm}
+        if step % HASH_EVERY == 0 or step == self._steps:
+            record["replicated_hash"] = parameters_hash(update.replicated.values())
+        self._files.write(f"ranks.rank{logical_rank}.jsonl", record)
+        if logical_rank == 0:
+            params = digest_all({**update.replicated, **update.experts})
+            grads = self._grad_digests.pop(step, {})
+            self._files.write("digests.jsonl", {"step": step, "grads": grads, "params": params})
+
+
 def make_trainer(
-    config: TrainConfig, oracle: str | None, event_sink: EventSink, fidelity_sink: Callable[[dict], None] | None
+    config: TrainConfig,
+    oracle: str | None,
+    event_sink: EventSink,
+    grad_sink: GradSink,
+    update_sink: UpdateSink,
+    fidelity_sink: Callable[[dict], None] | None,
 ) -> Trainer | VersionedTrainer | HFLockstep:
     """The arm's trainer; transformers is imported only by an arm that trains against it."""
+    sinks = {"event_sink": event_sink, "grad_sink": grad_sink, "update_sink": update_sink}
     if oracle == "hf":
         from harness.oracles.hf import HFLockstep
 
-        return HFLockstep(config, event_sink=event_sink, fidelity_sink=fidelity_sink)
+        return HFLockstep(config, **sinks, fidelity_sink=fidelity_sink)
     if isinstance(config, PipelineConfig):
-        return PIPELINE_TRAINERS[config.trainer](config, event_sink=event_sink)
-    return Trainer(config, event_sink=event_sink)
+        return PIPELINE_TRAINERS[config.trainer](config, **sinks)
+    return Trainer(config, **sinks)
 
 
 def weights_digest(model: torch.nn.Module, updates_done: int) -> dict[str, Any]:
@@ -153,22 +203,20 @@ def run_arm(run_dir: Path, arm: str, spec: dict[str, Any], steps: int, debug: di
     random.seed(config.seed)
     torch.manual_seed(config.seed)
     with contextlib.ExitStack() as stack:
-        writers: dict[int, JsonlWriter] = {}
-        opening = threading.Lock()
-
-        def sink(logical_rank: int, event: dict) -> None:
-            # Called from each logical rank's thread; each file has one writer thread.
-            if logical_rank not in writers:
-                with opening:
-                    path = arm_dir / f"events.rank{logical_rank}.jsonl"
-                    writers[logical_rank] = stack.enter_context(JsonlWriter(path))
-            writers[logical_rank].write(event)
-
+        files = _ArmFiles(arm_dir, stack)
+        recorder = _RankRecorder(files, steps, isinstance(config, PipelineConfig))
         metrics = stack.enter_context(JsonlWriter(arm_dir / "metrics.jsonl")) if rank == 0 else None
         fidelity = (
             stack.enter_context(JsonlWriter(arm_dir / "fidelity.jsonl")) if rank == 0 and spec["oracle"] else None
         )
-        trainer = make_trainer(config, spec["oracle"], sink, fidelity.write if fidelity else None)
+        trainer = make_trainer(
+            config,
+            spec["oracle"],
+            event_sink=lambda logical_rank, event: files.write(f"events.rank{logical_rank}.jsonl", event),
+            grad_sink=recorder.grads,
+            update_sink=recorder.update,
+            fidelity_sink=fidelity.write if fidelity else None,
+        )
         stack.callback(trainer.close)
         if rank == 0:
             write_json_atomic(

@@ -29,7 +29,7 @@ import torch.distributed as dist
 import transformers
 
 from harness.reference.model import DeepseekV3Config, causal_lm_loss
-from harness.reference.train import DTYPES, TrainConfig, Trainer, synthetic_batch
+from harness.reference.train import DTYPES, GradSink, TrainConfig, Trainer, UpdateSink, synthetic_batch
 
 Tensors = dict[str, torch.Tensor]
 
@@ -113,10 +113,13 @@ class HFLockstep:
         config: TrainConfig,
         event_sink: Callable[[int, dict], None] | None,
         fidelity_sink: Callable[[dict], None] | None,
+        grad_sink: GradSink | None = None,
+        update_sink: UpdateSink | None = None,
     ) -> None:
         self.config = config
         self.fidelity_sink = fidelity_sink
-        self.trainer = Trainer(config, event_sink=event_sink, grad_sink=self._keep_grads)
+        self.grad_sink = grad_sink
+        self.trainer = Trainer(config, event_sink=event_sink, grad_sink=self._keep_grads, update_sink=update_sink)
         self.moe_layers = self.trainer.moe_layers
         self.graph_checks = self.trainer.graph_checks
         self.group = self.trainer.group
@@ -142,6 +145,8 @@ class HFLockstep:
         kept = {name: g.detach().clone() for name, g in grads.items()}
         with self._grads_lock:
             self._grads[rank] = kept
+        if self.grad_sink is not None:
+            self.grad_sink(rank, step, grads)
 
     def step(self, step: int) -> dict:
         """One lockstep step; every process calls it, as it calls ``Trainer.step``."""

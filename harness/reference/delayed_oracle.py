@@ -37,7 +37,7 @@ from torch import nn
 from harness.reference.ep.exchange import EventSink, bind
 from harness.reference.model import causal_lm_loss
 from harness.reference.pipeline import PipelineConfig
-from harness.reference.train import GradSink, Trainer, synthetic_batch
+from harness.reference.train import GradSink, Trainer, UpdateSink, synthetic_batch
 
 Weights = dict[str, torch.Tensor]
 
@@ -70,9 +70,13 @@ class DelayedOracleTrainer(Trainer):
     """
 
     def __init__(
-        self, config: PipelineConfig, event_sink: EventSink | None = None, grad_sink: GradSink | None = None
+        self,
+        config: PipelineConfig,
+        event_sink: EventSink | None = None,
+        grad_sink: GradSink | None = None,
+        update_sink: UpdateSink | None = None,
     ) -> None:
-        super().__init__(config, event_sink, grad_sink)
+        super().__init__(config, event_sink, grad_sink, update_sink)
         self.config: PipelineConfig = config
         # Per logical rank: revision -> a copy of the weights at that revision, for the revisions still needed.
         self._weights = {r: {0: copy_weights(replica.model)} for r, replica in self.replicas.items()}
@@ -158,8 +162,10 @@ class DelayedOracleTrainer(Trainer):
         for old in [r for r in weights if r < revision + 1 - config.delay]:
             del weights[old]
         losses = self.group.all_gather(rank, loss.detach().float().reshape(()))
+        global_loss = float(torch.stack(losses).sum() / config.ep)
+        self._report_update(rank, revision, global_loss, float(grad_norm))
         return {
-            "loss": float(torch.stack(losses).sum() / config.ep),
+            "loss": global_loss,
             "grad_norm": float(grad_norm),
             "forwards": forwards,
             **self._correction_stats(rank, weight, clipped),

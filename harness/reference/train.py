@@ -128,6 +128,22 @@ def synthetic_batch(config: TrainConfig, vocab: int, step: int, rank: int) -> tu
     return tokens[:, :-1], tokens[:, 1:]
 
 
+@dataclass(frozen=True)
+class RankUpdate:
+    """One logical rank right after its optimizer step: its own view of the step's global loss and
+    grad norm, and its live parameters, by Hugging Face name. The replicated ones must be equal
+    on every logical rank; only a bug (or a lost update) makes one drift."""
+
+    loss: float
+    grad_norm: float
+    replicated: dict[str, torch.Tensor]
+    experts: dict[str, torch.Tensor]  # this rank's shard of the routed experts
+
+
+# Called with (logical rank, step, update) on that rank's thread once its optimizer step is done.
+UpdateSink = Callable[[int, int, RankUpdate], None]
+
+
 class _Replica:
     """One logical rank: its model (dense weights replicated, its own experts), optimizer, exchange."""
 
@@ -170,6 +186,9 @@ class _Replica:
         self.expert_params = self.model.expert_parameters()
         expert_ids = {id(p) for p in self.expert_params}
         self.dense_params = [p for p in self.model.parameters() if id(p) not in expert_ids]
+        named = dict(self.model.named_parameters())
+        self.named_dense = {n: p for n, p in named.items() if id(p) not in expert_ids}
+        self.named_experts = {n: p for n, p in named.items() if id(p) in expert_ids}
         self.params = list(self.model.parameters())
         self.buffers = list(self.model.buffers())
         self.optimizer = torch.optim.AdamW(self.params, lr=config.lr, foreach=False)
@@ -179,11 +198,16 @@ class Trainer:
     """Drives the logical EP ranks of this process through training steps."""
 
     def __init__(
-        self, config: TrainConfig, event_sink: EventSink | None = None, grad_sink: GradSink | None = None
+        self,
+        config: TrainConfig,
+        event_sink: EventSink | None = None,
+        grad_sink: GradSink | None = None,
+        update_sink: UpdateSink | None = None,
     ) -> None:
         set_determinism(config.device)
         self.config = config
         self.grad_sink = grad_sink
+        self.update_sink = update_sink
         self.group = LogicalGroup(config.ep)
         self.logical_ranks = self.group.local_ranks
         self.device = self._device()
@@ -277,8 +301,14 @@ class Trainer:
         replica.optimizer.step()
         replica.optimizer.zero_grad(set_to_none=True)
         losses = self.group.all_gather(rank, loss.detach().float().reshape(()))
-        global_loss = torch.stack(losses).sum() / self.config.ep
-        return float(global_loss), float(grad_norm)
+        global_loss = float(torch.stack(losses).sum() / self.config.ep)
+        self._report_update(rank, step, global_loss, float(grad_norm))
+        return global_loss, float(grad_norm)
+
+    def _report_update(self, rank: int, step: int, loss: float, grad_norm: float) -> None:
+        if self.update_sink is not None:
+            replica = self.replicas[rank]
+            self.update_sink(rank, step, RankUpdate(loss, grad_norm, replica.named_dense, replica.named_experts))
 
     def _sum_dense_grads(self, rank: int, replica: _Replica) -> None:
         flat = torch.cat([p.grad.flatten() for p in replica.dense_params])
