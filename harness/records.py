@@ -137,6 +137,7 @@ class ArmRecords:
     moe_layers: list[int] | None = None  # None: arm.json missing or without them
     graph_checks: list[dict] = field(default_factory=list)  # static checks of a traced arm's graph
     cpu_capability: str | None = None  # the ISA ATen dispatched to in the arm's ranks
+    final_weights: dict[int, dict] = field(default_factory=dict)  # logical rank -> digests after the last update
     fidelity: list[dict] = field(default_factory=list)  # an oracle arm's fidelity.jsonl, one line per step
     error: str | None = None  # unreadable records
 
@@ -166,6 +167,9 @@ def read_arm(run_dir: Path, arm: str, logical_ranks: int) -> ArmRecords:
         for logical_rank in range(logical_ranks):
             records.events[logical_rank] = _read_if_there(arm_dir / f"events.rank{logical_rank}.jsonl")
             records.ranks[logical_rank] = _read_if_there(arm_dir / f"ranks.rank{logical_rank}.jsonl")
+            weights = arm_dir / f"weights.rank{logical_rank}.json"
+            if weights.is_file():
+                records.final_weights[logical_rank] = json.loads(weights.read_text())
         records.digests = _read_if_there(arm_dir / "digests.jsonl")
     except (RecordError, OSError, ValueError) as e:
         records.error = f"unreadable records of arm '{arm}': {e}"

@@ -24,7 +24,7 @@ PIPELINE_FIELDS = tuple(
 
 
 def is_versioned(train: dict[str, Any]) -> bool:
-    """An arm that sets any pipeline field runs on VersionedTrainer; the rest on the plain Trainer."""
+    """An arm that sets any pipeline field runs on a delayed trainer (PipelineConfig.trainer); the rest on Trainer."""
     return any(key in train for key in PIPELINE_FIELDS)
 
 

@@ -10,9 +10,10 @@ count of every arm, and ``ep`` defaults to the suite's ``ranks``. So an arm that
 ``ranks = 1`` hosts the whole EP group in one process (logical ranks), whatever ``--ranks``.
 
 Trainers: an arm that sets any field of the delayed pipeline (``delay``,
-``max_gradient_staleness``, ``retention``, ``correction``, ``apply_twice_batch``), in its own
-table or in ``[train]``, is a *versioned* arm: it resolves to a ``PipelineConfig`` and runs on
-``VersionedTrainer``; every other arm is a plain ``TrainConfig`` on ``Trainer``. An arm may also
+``max_gradient_staleness``, ``retention``, ``correction``, ``correction_clip``, ``trainer``,
+``apply_twice_batch``), in its own table or in ``[train]``, is a *versioned* arm: it resolves to a
+``PipelineConfig`` and runs on ``VersionedTrainer``, or on ``DelayedOracleTrainer`` with
+``trainer = "delayed-oracle"``; every other arm is a plain ``TrainConfig`` on ``Trainer``. An arm may also
 name its own ``model`` (default: ``[model] config``) and an ``oracle``: ``"hf"`` trains it in
 lockstep with Hugging Face transformers (see :mod:`harness.oracles`), which must be installed.
 """

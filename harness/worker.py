@@ -4,10 +4,13 @@ Runs each arm of the group in turn, re-seeded identically, and streams what the 
 compares: ``arms/<arm>/metrics.jsonl`` and ``digests.jsonl`` (process rank 0, for logical rank 0),
 and ``events.rank<k>.jsonl`` and ``ranks.rank<k>.jsonl`` (the process hosting logical rank k; see
 :mod:`harness.digests`). Every line is flushed, so a crash leaves every finished step on disk.
+After the arm's last update, the process hosting each logical rank of a reference trainer writes
+``weights.rank<k>.json``: a SHA-256 of each of its parameters, so final weights compare bit for bit.
 
-A plain arm runs on ``Trainer``, a versioned arm (one that sets a pipeline field) on
-``VersionedTrainer``, whose metrics lines add the pipeline's columns (tick, revision, ages,
-batches_applied, correction statistics, forwards, recomputes). An arm with ``oracle = "hf"``
+A plain arm runs on ``Trainer``, a versioned arm (one that sets a pipeline field) on the trainer
+its ``trainer`` field names: ``VersionedTrainer``, or ``DelayedOracleTrainer``, the same delayed
+training written from the definition. Their metrics lines add the pipeline's columns (tick,
+revision, ages, batches_applied, correction statistics, forwards, recomputes). An arm with ``oracle = "hf"``
 runs ``Trainer`` in lockstep with Hugging Face transformers (:mod:`harness.oracles.hf`) and
 also streams ``arms/<arm>/fidelity.jsonl`` (process rank 0).
 """
@@ -18,6 +21,7 @@ import contextlib
 import ctypes
 import ctypes.util
 import faulthandler
+import hashlib
 import json
 import os
 import random
@@ -35,6 +39,7 @@ from torch.distributed.elastic.multiprocessing.errors import record
 
 from harness.digests import HASH_EVERY, digest_all, parameters_hash
 from harness.records import JsonlWriter, write_json_atomic
+from harness.reference.delayed_oracle import DelayedOracleTrainer
 from harness.reference.ep.exchange import EventSink
 from harness.reference.pipeline import PipelineConfig, VersionedTrainer
 from harness.reference.train import GradSink, RankUpdate, TrainConfig, Trainer, UpdateSink
@@ -48,6 +53,8 @@ _PR_SET_PDEATHSIG = 1
 AGENT_PID_ENV = "HARNESS_AGENT_PID"
 # Exit code of an injected `fail_mode = "exit"`, recognisable in the parent's message.
 INJECTED_EXIT_CODE = 13
+# PipelineConfig.trainer -> the class that runs such an arm.
+PIPELINE_TRAINERS: dict[str, type[Trainer]] = {"versioned": VersionedTrainer, "delayed-oracle": DelayedOracleTrainer}
 
 
 def _die_with_parent() -> None:
@@ -99,7 +106,7 @@ def updates(trainer: Trainer, steps: int, before_step: Callable[[int], bool]) ->
     at delay 0 it then trains on the data a plain Trainer sees at the same step, so the two
     compare exactly. Its updates, counted from 0, become steps from 1; update k applies batch k.
     """
-    versioned = isinstance(trainer, VersionedTrainer)
+    versioned = isinstance(trainer, tuple(PIPELINE_TRAINERS.values()))
 
     def ticks() -> Iterator[dict | None]:
         for step in range(1, steps + 1):
@@ -172,7 +179,19 @@ def make_trainer(
         from harness.oracles.hf import HFLockstep
 
         return HFLockstep(config, **sinks, fidelity_sink=fidelity_sink)
-    return (VersionedTrainer if isinstance(config, PipelineConfig) else Trainer)(config, **sinks)
+    if isinstance(config, PipelineConfig):
+        return PIPELINE_TRAINERS[config.trainer](config, **sinks)
+    return Trainer(config, **sinks)
+
+
+def weights_digest(model: torch.nn.Module, updates_done: int) -> dict[str, Any]:
+    """``{"updates", "parameters": {name: sha256 of dtype, shape and bytes}}`` of one logical rank."""
+    digests = {}
+    for name, param in model.named_parameters():
+        data = param.detach().cpu().contiguous()
+        header = f"{data.dtype} {tuple(data.shape)}".encode()
+        digests[name] = hashlib.sha256(header + data.view(torch.uint8).numpy().tobytes()).hexdigest()
+    return {"updates": updates_done, "parameters": digests}
 
 
 def run_arm(run_dir: Path, arm: str, spec: dict[str, Any], steps: int, debug: dict[str, Any]) -> None:
@@ -209,13 +228,19 @@ def run_arm(run_dir: Path, arm: str, spec: dict[str, Any], steps: int, debug: di
                     "cpu_capability": torch.backends.cpu.get_cpu_capability().lower(),
                 },
             )
+        updates_done = 0
         for result in updates(trainer, steps, lambda step: _inject_fault(debug, arm, step, rank)):
+            updates_done += 1
             if metrics is not None:
                 metrics.write(result)
             print(
                 f"[arm {arm}] step {result['step']}/{steps} loss={result['loss']!r} grad_norm={result['grad_norm']!r}",
                 flush=True,
             )
+        if isinstance(trainer, Trainer):  # the reference's own trainers: their replicas hold the weights
+            for logical_rank, replica in trainer.replicas.items():
+                digest = weights_digest(replica.model, updates_done)
+                write_json_atomic(arm_dir / f"weights.rank{logical_rank}.json", digest)
 
 
 @record

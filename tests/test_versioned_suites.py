@@ -53,6 +53,8 @@ def test_strict_vs_stale_passes_its_band_and_reports_the_correction(run_harness,
     run = run_harness("run", "strict-vs-stale", "--golden", "off", "--out", out)
     assert run.returncode == 0, run.stdout + run.stderr
     assert run.check(out, "strict vs stale, loss band: loss")["status"] == "pass"
+    for name in ("stale vs oracle: loss", "stale vs oracle: grad_norm", "stale vs oracle, final weights"):
+        assert run.check(out, name)["status"] == "pass", name  # the pipeline is exactly the delayed oracle
     assert run.check(out, "stale: staleness-ages")["detail"].startswith(
         "ages seen: 0 at step 1, 1 at step 2, 2 at steps 3-20"
     )

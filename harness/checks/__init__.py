@@ -8,10 +8,20 @@
 * :mod:`~harness.checks.graph`: static checks of a traced arm's graph;
 * :mod:`~harness.checks.fidelity`: an oracle arm's lockstep records against Hugging Face;
 * :mod:`~harness.checks.ranks`: every logical rank of an arm agrees on the step and its replicas;
-* :mod:`~harness.checks.routing`: send counts of every exchange match the receive counts.
+* :mod:`~harness.checks.routing`: send counts of every exchange match the receive counts;
+* :mod:`~harness.checks.weights`: two arms' final weights, bit for bit.
 """
 
-from harness.checks import exchange, fidelity, graph, pairs, ranks, routing, versioned  # noqa: F401  (they register)
+from harness.checks import (  # noqa: F401  (they register)
+    exchange,
+    fidelity,
+    graph,
+    pairs,
+    ranks,
+    routing,
+    versioned,
+    weights,
+)
 from harness.checks.registry import FAMILIES, CheckFamily, register, run_check
 
 CHECK_KINDS = tuple(FAMILIES)

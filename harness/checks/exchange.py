@@ -154,6 +154,20 @@ def pipeline_plan(batches: int, delay: int, *, replay: bool, always_correct: boo
     return dict(plan)
 
 
+def delayed_oracle_plan(batches: int, delay: int, *, always_correct: bool) -> Plan:
+    """The delayed oracle of ``harness.reference.delayed_oracle``; its events' step is the tick.
+
+    Nothing runs while the pipeline fills. Tick ``t >= delay`` applies batch ``t - delay``: one
+    forward at the old weights and its backward, after one more forward at the current weights
+    under ``always`` for every batch but the first when delay > 0 (the first one's weights are current).
+    """
+    plan: Counter = Counter()
+    for tick in range(delay, batches + delay):
+        plan[tick, "fwd"] += 1 + (always_correct and 0 < delay < tick)
+        plan[tick, "bwd"] += 1
+    return dict(plan)
+
+
 def check_planned_counts(events: list[Event], *, plan: Plan, moe_layers: list[int], chunks: int) -> CheckResult:
     """``plan[step, phase]`` dispatch and combine launches per (step, phase, MoE layer, chunk), nothing else."""
     if reason := _malformed(events):
@@ -323,7 +337,9 @@ def arm_exchanges(arm: str, spec: ArmSpec, records: ArmRecords) -> list[CheckRes
     train = spec.train
     chunks = train["chunks"] if train["chunking"] != "none" else 1
     steps = records.metrics.index.tolist()
-    if spec.versioned:
+    if spec.versioned and train["trainer"] == "delayed-oracle":
+        plan = delayed_oracle_plan(len(steps), train["delay"], always_correct=train["correction"] == "always")
+    elif spec.versioned:
         replay, always = train["retention"] == "replay", train["correction"] == "always"
         plan = pipeline_plan(len(steps), train["delay"], replay=replay, always_correct=always)
     else:

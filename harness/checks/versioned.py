@@ -20,7 +20,8 @@ from harness.specs import PIPELINE_FIELDS, ArmSpec, CheckSpec, SuiteSpec
 EXACTLY_ONCE = "exactly-once"
 STALENESS_AGES = "staleness-ages"
 CORRECTION_STATS = "correction-stats"
-# The reference clamps importance weights to [0, 5]: clamp(exp(lp_now - lp_then), 0, 5).
+# The reference clamps importance weights to [0, clip]: clamp(exp(lp_now - lp_then), 0, clip); an arm
+# sets clip as correction_clip, and this is its default.
 CORRECTION_CLIP = 5.0
 
 Update = dict  # one metrics.jsonl record of a versioned arm: step, batches_applied, ages, correction_*
@@ -206,7 +207,7 @@ def run(check: CheckSpec, suite: SuiteSpec, records: dict[str, ArmRecords]) -> l
         elif check.kind == STALENESS_AGES:
             result = check_staleness_ages(updates, train["delay"])
         else:
-            result = check_correction_stats(updates, train["correction"], train["delay"])
+            result = check_correction_stats(updates, train["correction"], train["delay"], train["correction_clip"])
         results.append(dataclasses.replace(result, name=f"{arm}: {check.name}"))
     return results
 

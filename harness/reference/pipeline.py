@@ -37,6 +37,9 @@ from harness.reference.versioned import (
 )
 
 PIPELINE_CHUNKINGS = ("none", "eager")
+# "versioned" is this module's VersionedTrainer; "delayed-oracle" is the same training written the
+# obvious way (harness.reference.delayed_oracle), which the versioned pipeline must equal bit for bit.
+TRAINERS = ("versioned", "delayed-oracle")
 
 
 @dataclass(frozen=True)
@@ -47,6 +50,9 @@ class PipelineConfig(TrainConfig):
     max_gradient_staleness: int = 2
     retention: str = "retain"
     correction: str = "off"
+    correction_clip: float = 5.0  # importance weights are clamped to [0, correction_clip]
+    # Which trainer runs the arm (TRAINERS). The oracle keeps no forward state: retention does not apply to it.
+    trainer: str = "versioned"
     # A planted bug for the harness's negative test: this batch's gradient is applied twice.
     apply_twice_batch: int | None = None
 
@@ -60,6 +66,12 @@ class PipelineConfig(TrainConfig):
             raise ValueError(f"retention must be one of {RETENTIONS}, got {self.retention!r}")
         if self.correction not in CORRECTIONS:
             raise ValueError(f"correction must be one of {CORRECTIONS}, got {self.correction!r}")
+        if not 0 < self.correction_clip < math.inf:
+            raise ValueError(f"correction_clip must be a finite number > 0, got {self.correction_clip!r}")
+        if self.trainer not in TRAINERS:
+            raise ValueError(f"trainer must be one of {TRAINERS}, got {self.trainer!r}")
+        if self.trainer != "versioned" and self.apply_twice_batch is not None:
+            raise ValueError(f"apply_twice_batch plants a bug in the versioned trainer, not in {self.trainer!r}")
         # delay > max_gradient_staleness is accepted on purpose: the version protocol refuses the
         # first over-age backward at run time, which is what the negative suite demonstrates.
 
@@ -95,6 +107,7 @@ class VersionedTrainer(Trainer):
                 max_gradient_staleness=config.max_gradient_staleness,
                 retention=config.retention,
                 correction=config.correction,
+                correction_clip=config.correction_clip,
                 grad_divisor=config.ep,
             )
             for r, replica in self.replicas.items()
