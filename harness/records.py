@@ -133,7 +133,7 @@ class ArmRecords:
     updates: list[dict] = field(default_factory=list)  # metrics.jsonl as written: null and NaN kept apart
     events: dict[int, list[dict]] = field(default_factory=dict)  # logical rank -> token-exchange events
     moe_layers: list[int] | None = None  # None: arm.json missing or without them
-    graph_checks: list[dict] = field(default_factory=list)  # static checks of a traced arm's graph
+    graph: dict | None = None  # graph.json of a traced arm: its scheduled exchange ops; None if absent
     cpu_capability: str | None = None  # the ISA ATen dispatched to in the arm's ranks
     error: str | None = None  # unreadable records
 
@@ -152,8 +152,9 @@ def read_arm(run_dir: Path, arm: str, logical_ranks: int) -> ArmRecords:
         if (arm_dir / "arm.json").is_file():
             arm_info = json.loads((arm_dir / "arm.json").read_text())
             records.moe_layers = arm_info.get("moe_layers")
-            records.graph_checks = arm_info.get("graph_checks", [])
             records.cpu_capability = arm_info.get("cpu_capability")
+        if (arm_dir / "graph.json").is_file():
+            records.graph = json.loads((arm_dir / "graph.json").read_text())
         for logical_rank in range(logical_ranks):
             path = arm_dir / f"events.rank{logical_rank}.jsonl"
             records.events[logical_rank] = read_jsonl(path) if path.is_file() else []

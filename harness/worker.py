@@ -1,7 +1,8 @@
 """One rank of a launch group: ``python -m harness.worker RUN_DIR GROUP``, started by launch.py.
 
 Runs each arm of the group in turn, re-seeded identically, and streams what the parent
-compares: ``arms/<arm>/metrics.jsonl`` (process rank 0) and
+judges: ``arms/<arm>/metrics.jsonl``, ``arm.json`` and, for a traced arm, ``graph.json`` (its
+scheduled exchange ops; all three from process rank 0), and
 ``arms/<arm>/events.rank<logical rank>.jsonl`` (the process hosting that logical rank). Every
 line is flushed, so a crash leaves every finished step on disk.
 
@@ -135,10 +136,11 @@ def run_arm(run_dir: Path, arm: str, train: dict[str, Any], steps: int, debug: d
                 {
                     "moe_layers": list(trainer.moe_layers),
                     "train": train,
-                    "graph_checks": trainer.graph_checks,
                     "cpu_capability": torch.backends.cpu.get_cpu_capability().lower(),
                 },
             )
+            if trainer.graph_export is not None:
+                write_json_atomic(arm_dir / "graph.json", trainer.graph_export)
         for result in updates(trainer, steps, lambda step: _inject_fault(debug, arm, step, rank)):
             if metrics is not None:
                 metrics.write(result)
