@@ -38,7 +38,7 @@ from torch.distributed.elastic.multiprocessing.api import LogsDest, LogsSpecs
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
-from harness.suites import SuiteSpec
+from harness.specs import SuiteSpec
 from harness.triage import INFRASTRUCTURE, Verdict, classify, exception_line, oom_kills
 from harness.worker import AGENT_PID_ENV
 

@@ -46,7 +46,7 @@ from harness.launch import LaunchGroup, LaunchResult, launch_group, plan_launche
 from harness.progress import Progress
 from harness.records import ArmRecords, RecordError, read_arm, read_metrics, write_json_atomic
 from harness.report import format_verdict_table, write_html, write_junit
-from harness.suites import SuiteSpec
+from harness.specs import SuiteSpec
 from harness.triage import REGRESSION
 
 EXIT_PASS, EXIT_FAIL, EXIT_USAGE, EXIT_INFRA = 0, 1, 2, 3

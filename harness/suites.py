@@ -24,31 +24,20 @@ import re
 import tomllib
 import typing
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from harness.checks import FAMILIES
+from harness.checks.pairs import DEFAULT_METRICS
 from harness.compare import tier_from_spec
 from harness.records import METRIC_COLUMNS
 from harness.reference.model import CONFIGS
 from harness.reference.pipeline import PipelineConfig
-from harness.reference.train import TRACED, TrainConfig
+from harness.reference.train import TrainConfig
+from harness.specs import ArmSpec, CheckSpec, DebugSpec, SuiteSpec, train_config
 
 SUITES_DIR = Path(__file__).resolve().parent.parent / "suites"
 MAX_RANKS = 8
-PAIR_KINDS = ("exact", "ulp", "close", "band")
-# Checks of the version protocol, on one versioned arm's update records each.
-PIPELINE_KINDS = ("exactly-once", "staleness-ages", "correction-stats")
-# Static checks of a traced arm's FX graph (exchange counts, launch/wait pairs, buffer sets, order).
-GRAPH_KIND = "graph-invariants"
-CHECK_KINDS = (
-    *PAIR_KINDS,
-    "token-exchange-invariants",
-    "same-event-sequence",
-    "determinism",
-    *PIPELINE_KINDS,
-    GRAPH_KIND,
-)
 FAIL_MODES = ("raise", "hang", "exit", "kill", "stop")
 # Names that become paths (suites, arms) or labels (checks) must be safe as both.
 NAME_PATTERN = re.compile(r"[a-z0-9][a-z0-9_-]*")
@@ -57,8 +46,6 @@ CHECK_NAME_PATTERN = re.compile(r"[A-Za-z0-9][A-Za-z0-9 _.,:()+-]*")
 # between CPUs (measured at most 2e-6 relative over the shipped suites' 20 steps, AVX-512 vs AVX2)
 # and still catch a real change (a 1% learning-rate change moves the loss by 1e-3 at step 2).
 CROSS_ENV_TIER = {"kind": "close", "rtol": 1e-4, "atol": 0.0}
-DEFAULT_METRICS = ("loss", "grad_norm")
-DETERMINISM_METRICS = ("loss", "grad_norm", "tokens")
 
 
 def _value_type(hint: Any) -> type:
@@ -73,12 +60,6 @@ _TRAIN_FIELDS: dict[str, type] = {
     for name, hint in typing.get_type_hints(PipelineConfig).items()
     if name not in ("model", "device")
 }
-# Setting any of these makes an arm versioned.
-PIPELINE_FIELDS = tuple(
-    f.name
-    for f in dataclasses.fields(PipelineConfig)
-    if f.name not in {g.name for g in dataclasses.fields(TrainConfig)}
-)
 # Sizes and rates that must be positive; other numbers need only be non-negative ints or finite
 # floats, and the reference's TrainConfig validates its own domains after this.
 _POSITIVE = {"ep", "local_batch", "seq_len", "chunks", "num_buffer_sets", "lr", "max_norm"}
@@ -88,94 +69,6 @@ _TABLES = ("model", "train", "golden", "debug")
 
 class SuiteError(Exception):
     """A bad suite or override; the message is one line naming the file (or --set) and field."""
-
-
-def is_versioned(train: dict[str, Any]) -> bool:
-    """An arm that sets any pipeline field runs on VersionedTrainer; the rest on the plain Trainer."""
-    return any(key in train for key in PIPELINE_FIELDS)
-
-
-def train_config(train: dict[str, Any]) -> TrainConfig:
-    """An arm's fields as the reference's config: a PipelineConfig for a versioned arm."""
-    return PipelineConfig(**train) if is_versioned(train) else TrainConfig(**train)
-
-
-@dataclass(frozen=True)
-class ArmSpec:
-    """One arm: the full TrainConfig keyword set and how many processes host its EP group."""
-
-    name: str
-    ranks: int
-    train: dict[str, Any]
-
-    @property
-    def ep(self) -> int:
-        return self.train["ep"]
-
-    @property
-    def versioned(self) -> bool:
-        return is_versioned(self.train)
-
-    def non_defaults(self) -> dict[str, Any]:
-        """The TrainConfig fields this arm sets away from the reference's defaults."""
-        defaults = dataclasses.asdict(TrainConfig())
-        return {k: v for k, v in self.train.items() if k not in defaults or defaults[k] != v}
-
-
-@dataclass(frozen=True)
-class CheckSpec:
-    """One [[checks]] entry; ``tier`` is the comparison tier's spec for metric comparisons."""
-
-    kind: str
-    name: str
-    arms: tuple[str, ...]
-    metrics: tuple[str, ...] = ()
-    tier: dict[str, Any] | None = None
-
-
-@dataclass(frozen=True)
-class DebugSpec:
-    """Fault injection for the harness's own tests; off unless ``fail_step`` is set."""
-
-    fail_step: int | None = None
-    fail_rank: int = 0
-    fail_mode: str = "raise"
-    fail_arm: str | None = None
-
-
-@dataclass(frozen=True)
-class SuiteSpec:
-    """A validated suite: its arms, its checks and how goldens are checked; what manifest.json records."""
-
-    name: str
-    description: str
-    path: Path
-    ranks: int
-    steps: int
-    arms: dict[str, ArmSpec]
-    checks: tuple[CheckSpec, ...]
-    golden_tier: dict[str, Any]
-    golden_metrics: tuple[str, ...]
-    golden_cross_env: dict[str, Any]
-    debug: DebugSpec
-
-    def to_dict(self) -> dict[str, Any]:
-        """The resolved suite as manifest.json records it (and the workers read it)."""
-        return {
-            "name": self.name,
-            "description": self.description,
-            "path": str(self.path),
-            "ranks": self.ranks,
-            "steps": self.steps,
-            "arms": {a.name: {"ranks": a.ranks, "train": a.train} for a in self.arms.values()},
-            "checks": [dataclasses.asdict(c) for c in self.checks],
-            "golden": {
-                "tier": self.golden_tier,
-                "metrics": list(self.golden_metrics),
-                "cross_env": self.golden_cross_env,
-            },
-            "debug": dataclasses.asdict(self.debug),
-        }
 
 
 def suite_path(name_or_path: str) -> Path:
@@ -472,39 +365,13 @@ class _Validator:
         return pair[0], pair[1]
 
     def check(self, raw: Any, dotted: str, arms: dict[str, ArmSpec]) -> CheckSpec:
+        """A [[checks]] table, parsed by the family that owns its kind (harness/checks/)."""
         if not isinstance(raw, dict):
             raise self.error(dotted, f"expected a table, got {_show(raw)}")
         if "kind" not in raw:
-            raise self.error(f"{dotted}.kind", f"missing (one of {', '.join(CHECK_KINDS)})")
-        kind = self.str_(raw["kind"], f"{dotted}.kind", CHECK_KINDS)
-        name = self.check_name(raw["name"], f"{dotted}.name") if "name" in raw else None
-        if kind == "token-exchange-invariants":
-            self.table(raw, dotted, ("kind", "name", "arms"))
-            chosen = self.str_list(raw["arms"], f"{dotted}.arms", list(arms)) if "arms" in raw else tuple(arms)
-            return CheckSpec(kind, name or "token-exchange", chosen)
-        if kind in PIPELINE_KINDS:
-            self.table(raw, dotted, ("kind", "name", "arms"))
-            return CheckSpec(kind, name or kind, self.versioned_arms(raw, dotted, arms, kind == "correction-stats"))
-        if kind == GRAPH_KIND:
-            self.table(raw, dotted, ("kind", "name", "arms"))
-            return CheckSpec(kind, name or kind, self.traced_arms(raw, dotted, arms))
-        if kind == "same-event-sequence":
-            self.table(raw, dotted, ("kind", "name", "arms"))
-            a, b = self.arm_pair(raw, dotted, arms)
-            return CheckSpec(kind, name or f"{a} vs {b}: events", (a, b))
-        if kind == "determinism":
-            self.table(raw, dotted, ("kind", "name", "arms", "metrics"))
-            a, b = self.arm_pair(raw, dotted, arms)
-            if arms[a].train != arms[b].train:
-                diff = sorted(k for k in arms[a].train if arms[a].train[k] != arms[b].train[k])
-                raise self.error(
-                    f"{dotted}.arms", f"determinism needs identical arms; {a} and {b} differ in {', '.join(diff)}"
-                )
-            metrics = self.metric_list(raw, dotted, DETERMINISM_METRICS)
-            return CheckSpec(kind, name or f"{a} vs {b}", (a, b), metrics)
-        a, b = self.arm_pair(raw, dotted, arms)
-        metrics = self.metric_list(raw, dotted, DEFAULT_METRICS)
-        return CheckSpec(kind, name or f"{a} vs {b}", (a, b), metrics, self.tier(raw, dotted))
+            raise self.error(f"{dotted}.kind", f"missing (one of {', '.join(FAMILIES)})")
+        kind = self.str_(raw["kind"], f"{dotted}.kind", tuple(FAMILIES))
+        return FAMILIES[kind].parse(kind, raw, dotted, self, arms)
 
     def check_name(self, value: Any, dotted: str) -> str:
         """Check names label reports and plots: no markup, path or shell characters."""
@@ -514,49 +381,6 @@ class _Validator:
                 dotted, f"expected a name of {allowed}, starting with a letter or digit, got {_show(value)}"
             )
         return value
-
-    def traced_arms(self, raw: dict, dotted: str, arms: dict[str, ArmSpec]) -> tuple[str, ...]:
-        """The arms whose graphs a graph check reads: those listed, or every traced arm."""
-        traced = {arm for arm, spec in arms.items() if spec.train.get("chunking") in TRACED}
-        chosen = (
-            self.str_list(raw["arms"], f"{dotted}.arms", list(arms))
-            if "arms" in raw
-            else tuple(a for a in arms if a in traced)
-        )
-        for i, arm in enumerate(chosen):
-            if arm not in traced:
-                raise self.error(
-                    f"{dotted}.arms.{i}", f"arm {_show(arm)} has no graph (chunking must be one of {', '.join(TRACED)})"
-                )
-        if not chosen:
-            raise self.error(dotted, f"needs a traced arm (chunking one of {', '.join(TRACED)}); the suite has none")
-        return chosen
-
-    def versioned_arms(self, raw: dict, dotted: str, arms: dict[str, ArmSpec], corrected: bool) -> tuple[str, ...]:
-        """The arms a version-protocol check reads: those listed, or every versioned arm (with a
-        correction, when ``corrected``: statistics of a correction that is off check nothing)."""
-        fields = ", ".join(PIPELINE_FIELDS)
-
-        def problem(spec: ArmSpec) -> str | None:
-            if not spec.versioned:
-                return f"is not versioned (it sets none of {fields})"
-            if corrected and spec.train["correction"] == "off":
-                return 'has correction = "off": no statistics to check'
-            return None
-
-        if "arms" not in raw:
-            chosen = tuple(arm for arm, spec in arms.items() if problem(spec) is None)
-            if not chosen:
-                wanted = (
-                    "a versioned arm with a correction" if corrected else f"a versioned arm (one that sets {fields})"
-                )
-                raise self.error(dotted, f"needs {wanted}; the suite has none")
-            return chosen
-        chosen = self.str_list(raw["arms"], f"{dotted}.arms", list(arms))
-        for i, arm in enumerate(chosen):
-            if reason := problem(arms[arm]):
-                raise self.error(f"{dotted}.arms.{i}", f"arm {_show(arm)} {reason}")
-        return chosen
 
     def metric_list(self, raw: dict, dotted: str, default: tuple[str, ...]) -> tuple[str, ...]:
         return self.str_list(raw["metrics"], f"{dotted}.metrics", METRIC_COLUMNS) if "metrics" in raw else default

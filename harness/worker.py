@@ -35,7 +35,7 @@ from torch.distributed.elastic.multiprocessing.errors import record
 from harness.records import JsonlWriter, write_json_atomic
 from harness.reference.pipeline import PipelineConfig, VersionedTrainer
 from harness.reference.train import Trainer
-from harness.suites import train_config
+from harness.specs import train_config
 
 _PR_SET_PDEATHSIG = 1
 # The harness process (the elastic agent) exports its pid, so a rank can tell it was orphaned.

@@ -10,7 +10,7 @@ import pytest
 import torch
 from distributed import run_on_ranks
 
-from harness.invariants import check_planned_exchanges, training_plan
+from harness.checks.exchange import check_planned_exchanges, training_plan
 from harness.reference.chunking.checks import exchange_inventory
 from harness.reference.chunking.graph import ChunkingError, buffer_set_of, chunk_regions
 from harness.reference.chunking.graph_step import MARKERS, ROOT_PATTERNS, GraphStep, compile_graph_step

@@ -8,7 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from harness.invariants import check_correction_stats, check_exactly_once, check_staleness_ages, pipeline_plan
+from harness.checks.exchange import pipeline_plan
+from harness.checks.versioned import check_correction_stats, check_exactly_once, check_staleness_ages
 from harness.records import read_jsonl
 from harness.suites import SuiteError, load_suite
 

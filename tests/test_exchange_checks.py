@@ -2,7 +2,7 @@ import copy
 
 import pytest
 
-from harness.invariants import (
+from harness.checks.exchange import (
     check_buffer_reuse,
     check_chunk_signatures,
     check_launch_wait_pairing,

@@ -5,18 +5,20 @@ launch or a launch never waited (a hang, or a read of a buffer nobody filled), a
 while an exchange on it is in flight (silent corruption), a missing or extra exchange, chunks of
 one layer exchanging differently, and eager and graph chunking issuing different exchanges.
 
-The version-protocol invariants of a delayed (versioned) pipeline are checked on its update
-records (one metrics.jsonl line per optimizer update): every batch applied exactly once, the
-gradient ages the pipeline's delay implies, and sane importance-correction statistics.
+Kinds: ``token-exchange-invariants`` (one arm at a time, against the exchanges its training
+implies) and ``same-event-sequence`` (two arms issue the same exchanges in the same order).
 """
 
 from __future__ import annotations
 
-import math
+import dataclasses
 from collections import Counter, defaultdict
 from collections.abc import Callable, Iterable
 
-from harness.compare import CheckResult, format_steps
+from harness.checks.registry import CheckFamily, Problem, SuiteReader, arm_list, problems_result, register
+from harness.compare import CheckResult
+from harness.records import ArmRecords
+from harness.specs import ArmSpec, CheckSpec, SuiteSpec
 
 KIND = "token-exchange-invariants"
 PAIRING = "token-exchange:launch-wait-pairing"
@@ -31,10 +33,8 @@ OPS = ("launch", "wait")
 _INT_FIELDS = ("step", "layer", "chunk", "buffer_set", "seq", "rows")
 # What must match between two arms: everything but the seq numbering.
 SEQUENCE_FIELDS = ("step", "phase", "layer", "chunk", "kind", "op", "buffer_set", "rows")
-_MAX_LISTED = 20
 
 Event = dict
-Problem = tuple[int | None, str]  # (step, message), in the order found
 Plan = dict[tuple[int, str], int]  # (step, phase) -> exchanges per MoE layer and chunk
 
 
@@ -69,17 +69,6 @@ def _malformed(events: list[Event]) -> str | None:
     return None
 
 
-def _result(
-    name: str, problems: list[Problem], passed: str, kind: str = KIND, extra: dict | None = None
-) -> CheckResult:
-    if not problems:
-        return CheckResult(name, kind, "pass", passed, extra=extra or {})
-    step, message = problems[0]
-    more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
-    listed = {"problems": [m for _, m in problems[:_MAX_LISTED]], "problem_count": len(problems)}
-    return CheckResult(name, kind, "fail", message + more, first_divergent_step=step, extra={**(extra or {}), **listed})
-
-
 def _error(name: str, reason: str) -> CheckResult:
     return CheckResult(name, KIND, "error", f"malformed events: {reason}")
 
@@ -101,7 +90,7 @@ def check_launch_wait_pairing(events: list[Event]) -> CheckResult:
         found += [(i, events[i]["step"], f"event {i}: launch never waited: {_describe(events[i])}") for i in indices]
     launches = sum(e["op"] == "launch" for e in events)
     passed = f"{launches} launches, each waited once on the same exchange and buffer set"
-    return _result(PAIRING, [(step, msg) for _, step, msg in sorted(found)], passed)
+    return problems_result(PAIRING, KIND, [(step, msg) for _, step, msg in sorted(found)], passed)
 
 
 def check_buffer_reuse(events: list[Event]) -> CheckResult:
@@ -131,7 +120,7 @@ def check_buffer_reuse(events: list[Event]) -> CheckResult:
                 in_flight[slot].remove(match[0])
     used = ", ".join(f"{k} {sorted({e['buffer_set'] for e in events if e['kind'] == k})}" for k in KINDS)
     passed = f"{len(events)} events, no buffer set reused while in flight (buffer sets used: {used})"
-    return _result(BUFFER_REUSE, problems, passed)
+    return problems_result(BUFFER_REUSE, KIND, problems, passed)
 
 
 def training_plan(steps: int | Iterable[int], recompute: bool = False) -> Plan:
@@ -195,7 +184,7 @@ def check_planned_counts(events: list[Event], *, plan: Plan, moe_layers: list[in
         f"{sum(actual.values())} launches = {sum(plan.values())} exchanges ({per_phase}) x"
         f" {len(moe_layers)} MoE layers x {chunks} chunks x dispatch+combine"
     )
-    return _result(COUNTS, problems, passed)
+    return problems_result(COUNTS, KIND, problems, passed)
 
 
 def check_chunk_signatures(events: list[Event]) -> CheckResult:
@@ -224,8 +213,8 @@ def check_chunk_signatures(events: list[Event]) -> CheckResult:
                     ),
                 )
             )
-    return _result(
-        CHUNK_SIGNATURES, problems, f"{len(groups)} (step, phase, layer) groups, chunks exchange identically"
+    return problems_result(
+        CHUNK_SIGNATURES, KIND, problems, f"{len(groups)} (step, phase, layer) groups, chunks exchange identically"
     )
 
 
@@ -310,149 +299,53 @@ def check_planned_exchanges(
     return results
 
 
-# --- the version protocol of a delayed pipeline, on its update records ----------------------
-
-EXACTLY_ONCE = "exactly-once"
-STALENESS_AGES = "staleness-ages"
-CORRECTION_STATS = "correction-stats"
-# The reference clamps importance weights to [0, 5]: clamp(exp(lp_now - lp_then), 0, 5).
-CORRECTION_CLIP = 5.0
-
-Update = dict  # one metrics.jsonl record of a versioned arm: step, batches_applied, ages, correction_*
-
-
-def _int_lists(updates: list[Update], field: str) -> str | None:
-    """Why ``field`` is not a list of ints in every update, or None."""
-    for u in updates:
-        values = u.get(field)
-        if not isinstance(values, list) or not all(isinstance(v, int) and not isinstance(v, bool) for v in values):
-            return f"step {u.get('step')}: '{field}' must be a list of integers, got {values!r}"
-    return None
+def same_events(name: str, a: ArmRecords, b: ArmRecords, label_a: str, label_b: str) -> CheckResult:
+    """check_same_event_sequence on every logical rank; the first rank that differs is reported."""
+    results = {
+        rank: check_same_event_sequence(
+            a.events.get(rank, []), b.events.get(rank, []), label_a=label_a, label_b=label_b
+        )
+        for rank in sorted(a.events.keys() | b.events.keys())
+    }
+    bad = next((r for r in results.values() if r.status != "pass"), None)
+    if bad is not None:
+        rank = next(k for k, v in results.items() if v is bad)
+        return dataclasses.replace(bad, name=name, detail=f"logical rank {rank}: {bad.detail}")
+    total = sum(len(events) for events in a.events.values())
+    return CheckResult(name, SAME_SEQUENCE, "pass", f"{total} events identical on all {len(results)} logical ranks")
 
 
-def check_exactly_once(updates: list[Update], batches: Iterable[int]) -> CheckResult:
-    """Every batch's gradient is applied exactly once: none twice (a gradient staged or committed
-    again), none lost (a forward never backwarded, a pipeline not drained), none from nowhere."""
-    if reason := _int_lists(updates, "batches_applied"):
-        return CheckResult(EXACTLY_ONCE, EXACTLY_ONCE, "error", f"malformed records: {reason}")
-    applied_at: dict[int, list[int]] = defaultdict(list)
-    for u in updates:
-        for batch in u["batches_applied"]:
-            applied_at[batch].append(u["step"])
-    expected = sorted(batches)
-    problems: list[Problem] = []
-    for batch in sorted(applied_at.keys() | set(expected)):
-        steps = applied_at.get(batch, [])
-        if batch not in expected:
-            problems.append(
-                (steps[0], f"batch {batch} applied at step {format_steps(steps)} but is not a batch of this run")
-            )
-        elif not steps:
-            problems.append((None, f"batch {batch} never applied"))
-        elif len(steps) > 1:
-            problems.append(
-                (steps[1], f"batch {batch} applied {len(steps)} times, at steps {', '.join(map(str, steps))}")
-            )
-    passed = f"{len(expected)} batches ({format_steps(expected)}) each applied exactly once over {len(updates)} updates"
-    return _result(EXACTLY_ONCE, problems, passed, kind=EXACTLY_ONCE)
+def arm_exchanges(arm: str, spec: ArmSpec, records: ArmRecords) -> list[CheckResult]:
+    """The token-exchange invariants of one arm, against the exchanges its training implies."""
+    if not records.moe_layers:
+        what = "records no MoE layers" if records.moe_layers == [] else "has no arm.json with its MoE layers"
+        return [CheckResult(f"{arm}: token-exchange", KIND, "fail", f"arm '{arm}' {what}: no exchange to check")]
+    train = spec.train
+    chunks = train["chunks"] if train["chunking"] != "none" else 1
+    steps = records.metrics.index.tolist()
+    if spec.versioned:
+        replay, always = train["retention"] == "replay", train["correction"] == "always"
+        plan = pipeline_plan(len(steps), train["delay"], replay=replay, always_correct=always)
+    else:
+        plan = training_plan(steps)
+    results = check_planned_exchanges(records.events, plan=plan, moe_layers=records.moe_layers, chunks=chunks)
+    return [dataclasses.replace(r, name=f"{arm}: {r.name}") for r in results]
 
 
-def _ages_seen(updates: list[Update]) -> dict[int, list[int]]:
-    seen: dict[int, list[int]] = defaultdict(list)
-    for u in updates:
-        for age in sorted(set(u["ages"])):
-            seen[age].append(u["step"])
-    return dict(sorted(seen.items()))
+def parse(kind: str, raw: dict, dotted: str, v: SuiteReader, arms: dict[str, ArmSpec]) -> CheckSpec:
+    v.table(raw, dotted, ("kind", "name", "arms"))
+    name = v.check_name(raw["name"], f"{dotted}.name") if "name" in raw else None
+    if kind == KIND:
+        return CheckSpec(kind, name or "token-exchange", arm_list(v, raw, dotted, arms))
+    a, b = v.arm_pair(raw, dotted, arms)
+    return CheckSpec(kind, name or f"{a} vs {b}: events", (a, b))
 
 
-def check_staleness_ages(updates: list[Update], delay: int) -> CheckResult:
-    """The i-th update (from 0) applies gradients of age min(i, delay), and only those.
-
-    The first ``delay`` forwards ran while the pipeline filled, before any update, so they are
-    younger; every later gradient is exactly ``delay`` updates old, the drained ones included.
-    """
-    if reason := _int_lists(updates, "ages"):
-        return CheckResult(STALENESS_AGES, STALENESS_AGES, "error", f"malformed records: {reason}")
-    ordered = sorted(updates, key=lambda u: u["step"])
-    problems: list[Problem] = []
-    for i, u in enumerate(ordered):
-        want = min(i, delay)
-        if not u["ages"] or any(age != want for age in u["ages"]):
-            fill = f" (update {i + 1} of the pipeline fill)" if i < delay else ""
-            problems.append((u["step"], f"step {u['step']}: ages {u['ages']}, expected {want}{fill} at delay {delay}"))
-    seen = _ages_seen(ordered)
-    shown = ", ".join(
-        f"{age} at step{'s' if len(steps) > 1 else ''} {format_steps(steps)}" for age, steps in seen.items()
-    )
-    fill = f"; steps {format_steps([u['step'] for u in ordered[:delay]])} fill the pipeline" if delay else ""
-    passed = f"ages seen: {shown} (delay {delay}{fill})"
-    return _result(STALENESS_AGES, problems, passed, kind=STALENESS_AGES, extra={"ages_seen": seen})
+def run(check: CheckSpec, suite: SuiteSpec, records: dict[str, ArmRecords]) -> list[CheckResult]:
+    if check.kind == KIND:
+        return [r for arm in check.arms for r in arm_exchanges(arm, suite.arms[arm], records[arm])]
+    a, b = check.arms
+    return [same_events(check.name, records[a], records[b], a, b)]
 
 
-def _stat_problem(value: object, lo: float, hi: float) -> str | None:
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        return f"is {value!r}, not a number"
-    if not math.isfinite(value):
-        return f"is non-finite ({value!r})"
-    if not lo <= value <= hi:
-        return f"{value!r} is outside [{lo:g}, {hi:g}]"
-    return None
-
-
-def check_correction_stats(
-    updates: list[Update], correction: str, delay: int, clip: float = CORRECTION_CLIP
-) -> CheckResult:
-    """Reports the importance correction's mean weight and clipped fraction per step.
-
-    Fails on values no correct weighting can produce (non-finite, a mean weight outside
-    [0, clip], a clipped fraction outside [0, 1]) and on a correction that did nothing:
-    ``always`` must report statistics at every step and, with a delay, weights that differ from 1
-    on the stale updates (a weight stuck at exactly 1 is a correction never applied);
-    ``when_available`` must report them at least once. A step without statistics under
-    ``when_available`` (no applied batch had current logprobs) is reported, not failed.
-    """
-    if correction == "off":
-        raise ValueError("check_correction_stats: correction is off, there is nothing to check")
-    ordered = sorted(updates, key=lambda u: u["step"])
-    per_step = [
-        {"step": u["step"], "mean": u.get("correction_mean"), "clipped_frac": u.get("correction_clipped_frac")}
-        for u in ordered
-    ]
-    problems: list[Problem] = []
-    for row in per_step:
-        if row["mean"] is None and row["clipped_frac"] is None:
-            if correction == "always":
-                problems.append(
-                    (row["step"], f'step {row["step"]}: no correction statistics under correction = "always"')
-                )
-            continue
-        for key, hi in (("mean", clip), ("clipped_frac", 1.0)):
-            if problem := _stat_problem(row[key], 0.0, hi):
-                problems.append((row["step"], f"step {row['step']}: correction {key.replace('_', ' ')} {problem}"))
-    reported = [row for row in per_step if row["mean"] is not None]
-    if not reported and not problems:
-        problems.append((None, f"no step of {len(per_step)} reported correction statistics under {correction}"))
-    if correction == "always" and delay > 0 and not problems:
-        stale = [row for row, u in zip(per_step, ordered) if any(age > 0 for age in u.get("ages") or [])]
-        if not stale:
-            problems.append((None, f"no stale update among {len(per_step)} at delay {delay}: nothing was corrected"))
-        elif all(row["mean"] == 1.0 for row in stale):
-            steps = format_steps([row["step"] for row in stale])
-            problems.append(
-                (
-                    stale[0]["step"],
-                    f"mean weight exactly 1 at every stale step ({steps}): the correction was not applied",
-                )
-            )
-    if problems:
-        return _result(CORRECTION_STATS, problems, "", kind=CORRECTION_STATS, extra={"per_step": per_step})
-    absent = [row["step"] for row in per_step if row["mean"] is None]
-    means = [row["mean"] for row in reported]
-    parts = [
-        f"{correction}: mean weight {min(means):.4f} to {max(means):.4f} (average {math.fsum(means) / len(means):.4f}),"
-        f" clipped fraction at most {max(row['clipped_frac'] for row in reported):.3g},"
-        f" at steps {format_steps([row['step'] for row in reported])}"
-    ]
-    if absent:
-        parts.append(f"no corrected tokens at steps {format_steps(absent)}")
-    return CheckResult(CORRECTION_STATS, CORRECTION_STATS, "pass", "; ".join(parts), extra={"per_step": per_step})
+register(CheckFamily((KIND, SAME_SEQUENCE), parse, run))

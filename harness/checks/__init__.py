@@ -1,0 +1,16 @@
+"""Check families: one module per family, each registering the [[checks]] kinds it owns.
+
+* :mod:`~harness.checks.pairs`: two arms' metric curves at a tier (exact, ulp, close, band) and
+  determinism (the same arm twice: metrics and events bit for bit);
+* :mod:`~harness.checks.exchange`: token-exchange invariants on the launch/wait events, and the
+  same event sequence in two arms;
+* :mod:`~harness.checks.versioned`: the version protocol of a delayed pipeline on its updates;
+* :mod:`~harness.checks.graph`: static checks of a traced arm's graph.
+"""
+
+from harness.checks import exchange, graph, pairs, versioned  # noqa: F401  (they register)
+from harness.checks.registry import FAMILIES, CheckFamily, register, run_check
+
+CHECK_KINDS = tuple(FAMILIES)
+
+__all__ = ["CHECK_KINDS", "FAMILIES", "CheckFamily", "register", "run_check"]

@@ -1,0 +1,53 @@
+"""Two arms' metric curves compared at a tier, and determinism (one arm run twice).
+
+``exact``, ``ulp``, ``close`` and ``band`` compare the listed metrics of two arms step by step at
+the tier the table gives (see :mod:`harness.compare`). ``determinism`` runs the same arm twice
+and demands bitwise equal metrics and identical token-exchange events.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from harness.checks.exchange import same_events
+from harness.checks.registry import CheckFamily, SuiteReader, register
+from harness.compare import CheckResult, Exact, compare_arms, tier_from_spec
+from harness.records import ArmRecords
+from harness.specs import ArmSpec, CheckSpec, SuiteSpec
+
+PAIR_KINDS = ("exact", "ulp", "close", "band")
+DETERMINISM = "determinism"
+DEFAULT_METRICS = ("loss", "grad_norm")
+DETERMINISM_METRICS = ("loss", "grad_norm", "tokens")
+
+
+def parse(kind: str, raw: dict, dotted: str, v: SuiteReader, arms: dict[str, ArmSpec]) -> CheckSpec:
+    name = v.check_name(raw["name"], f"{dotted}.name") if "name" in raw else None
+    a, b = v.arm_pair(raw, dotted, arms)
+    if kind != DETERMINISM:
+        metrics = v.metric_list(raw, dotted, DEFAULT_METRICS)
+        return CheckSpec(kind, name or f"{a} vs {b}", (a, b), metrics, v.tier(raw, dotted))
+    v.table(raw, dotted, ("kind", "name", "arms", "metrics"))
+    if arms[a].train != arms[b].train:
+        diff = sorted(k for k in arms[a].train if arms[a].train[k] != arms[b].train[k])
+        raise v.error(f"{dotted}.arms", f"determinism needs identical arms; {a} and {b} differ in {', '.join(diff)}")
+    return CheckSpec(kind, name or f"{a} vs {b}", (a, b), v.metric_list(raw, dotted, DETERMINISM_METRICS))
+
+
+def run(check: CheckSpec, suite: SuiteSpec, records: dict[str, ArmRecords]) -> list[CheckResult]:
+    a, b = check.arms
+    tier = Exact() if check.kind == DETERMINISM else tier_from_spec(check.tier)
+    results = [
+        dataclasses.replace(
+            compare_arms(f"{check.name}: {metric}", records[a].metrics, records[b].metrics, metric, tier, a, b),
+            kind=check.kind,
+        )
+        for metric in check.metrics
+    ]
+    if check.kind == DETERMINISM:
+        events = same_events(f"{check.name}: events", records[a], records[b], a, b)
+        results.append(dataclasses.replace(events, kind=check.kind))
+    return results
+
+
+register(CheckFamily((*PAIR_KINDS, DETERMINISM), parse, run))

@@ -1,0 +1,91 @@
+"""The registry of check families, and the one entry point that runs a suite's [[checks]].
+
+A family owns some ``kind`` strings of the suite format: it parses their tables into
+:class:`~harness.specs.CheckSpec` and judges an arm's records with them. Each family is one module
+of this package that ends with ``register(CheckFamily(...))``; the suite validator and the run
+only ever go through :data:`FAMILIES`, so a new family is one module and its tests.
+
+Checks run on partial records too: an arm that stopped early then fails every check that needs
+its missing steps. Nothing passes on absent data: every family fails a check whose records are
+missing (no events, no MoE layers, no graph), and an arm whose records cannot be read makes
+every check reading it an error.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from harness.compare import CheckResult
+from harness.records import ArmRecords
+from harness.specs import ArmSpec, CheckSpec, SuiteSpec
+
+
+class SuiteReader(Protocol):
+    """What a family's parser may use of the suite validator: typed readers that raise
+    :class:`~harness.suites.SuiteError` naming the file (or ``--set``) and the dotted field."""
+
+    def error(self, dotted: str, msg: str) -> Exception: ...
+    def table(self, raw: Any, dotted: str, allowed: Sequence[str]) -> dict: ...
+    def str_(self, value: Any, dotted: str, choices: tuple[str, ...] | None = None) -> str: ...
+    def int_(self, value: Any, dotted: str, lo: int = 1, hi: int | None = None) -> int: ...
+    def str_list(self, value: Any, dotted: str, choices: Sequence[str]) -> tuple[str, ...]: ...
+    def arm_pair(self, raw: dict, dotted: str, arms: dict[str, ArmSpec]) -> tuple[str, str]: ...
+    def metric_list(self, raw: dict, dotted: str, default: tuple[str, ...]) -> tuple[str, ...]: ...
+    def tier(self, raw: dict, dotted: str) -> dict[str, Any]: ...
+    def check_name(self, value: Any, dotted: str) -> str: ...
+
+
+# (kind, the [[checks]] table, its dotted path such as "checks.3", the validator, the suite's arms)
+Parse = Callable[[str, dict, str, SuiteReader, dict[str, ArmSpec]], CheckSpec]
+Run = Callable[[CheckSpec, SuiteSpec, dict[str, ArmRecords]], list[CheckResult]]
+
+
+@dataclass(frozen=True)
+class CheckFamily:
+    """The kinds one module owns, how their tables parse, and how their checks judge records."""
+
+    kinds: tuple[str, ...]
+    parse: Parse
+    run: Run
+
+
+FAMILIES: dict[str, CheckFamily] = {}
+Problem = tuple[int | None, str]  # (step or None, message), in the order found
+_MAX_LISTED = 20
+
+
+def register(family: CheckFamily) -> CheckFamily:
+    """Makes the family's kinds known to suites and runs; a kind has exactly one owner."""
+    for kind in family.kinds:
+        if kind in FAMILIES:
+            raise ValueError(f"check kind {kind!r} is registered twice")
+        FAMILIES[kind] = family
+    return family
+
+
+def run_check(check: CheckSpec, suite: SuiteSpec, records: dict[str, ArmRecords]) -> list[CheckResult]:
+    """The results of one [[checks]] entry; an arm whose records cannot be read makes it an error."""
+    unreadable = [records[arm].error for arm in check.arms if records[arm].error]
+    if unreadable:
+        return [CheckResult(check.name, check.kind, "error", f"not run: {'; '.join(unreadable)}")]
+    return FAMILIES[check.kind].run(check, suite, records)
+
+
+def arm_list(v: SuiteReader, raw: dict, dotted: str, arms: dict[str, ArmSpec]) -> tuple[str, ...]:
+    """The arms a single-arm check reads: those listed under ``arms``, or every arm of the suite."""
+    return v.str_list(raw["arms"], f"{dotted}.arms", list(arms)) if "arms" in raw else tuple(arms)
+
+
+def problems_result(
+    name: str, kind: str, problems: list[Problem], passed: str, extra: dict | None = None
+) -> CheckResult:
+    """Pass with ``passed`` as the detail, or fail on the first problem, counting the rest and
+    listing up to 20 of them in ``extra["problems"]``."""
+    if not problems:
+        return CheckResult(name, kind, "pass", passed, extra=extra or {})
+    step, message = problems[0]
+    more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
+    listed = {"problems": [m for _, m in problems[:_MAX_LISTED]], "problem_count": len(problems)}
+    return CheckResult(name, kind, "fail", message + more, first_divergent_step=step, extra={**(extra or {}), **listed})

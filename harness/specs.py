@@ -1,0 +1,113 @@
+"""The validated form of a suite: what ``harness/suites.py`` makes of a TOML file, what
+``manifest.json`` records, and what every rank and every check reads.
+
+Kept apart from the parser so that check families (``harness/checks/``) and the workers can use
+the specs without importing the validator, which itself dispatches to the check families.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from harness.reference.pipeline import PipelineConfig
+from harness.reference.train import TrainConfig
+
+# Setting any of these makes an arm versioned.
+PIPELINE_FIELDS = tuple(
+    f.name
+    for f in dataclasses.fields(PipelineConfig)
+    if f.name not in {g.name for g in dataclasses.fields(TrainConfig)}
+)
+
+
+def is_versioned(train: dict[str, Any]) -> bool:
+    """An arm that sets any pipeline field runs on VersionedTrainer; the rest on the plain Trainer."""
+    return any(key in train for key in PIPELINE_FIELDS)
+
+
+def train_config(train: dict[str, Any]) -> TrainConfig:
+    """An arm's fields as the reference's config: a PipelineConfig for a versioned arm."""
+    return PipelineConfig(**train) if is_versioned(train) else TrainConfig(**train)
+
+
+@dataclass(frozen=True)
+class ArmSpec:
+    """One arm: the full TrainConfig keyword set and how many processes host its EP group."""
+
+    name: str
+    ranks: int
+    train: dict[str, Any]
+
+    @property
+    def ep(self) -> int:
+        return self.train["ep"]
+
+    @property
+    def versioned(self) -> bool:
+        return is_versioned(self.train)
+
+    def non_defaults(self) -> dict[str, Any]:
+        """The TrainConfig fields this arm sets away from the reference's defaults."""
+        defaults = dataclasses.asdict(TrainConfig())
+        return {k: v for k, v in self.train.items() if k not in defaults or defaults[k] != v}
+
+
+@dataclass(frozen=True)
+class CheckSpec:
+    """One [[checks]] entry; ``tier`` is the comparison tier's spec for metric comparisons and
+    ``options`` holds the fields only the check's family reads (see harness/checks/)."""
+
+    kind: str
+    name: str
+    arms: tuple[str, ...]
+    metrics: tuple[str, ...] = ()
+    tier: dict[str, Any] | None = None
+    options: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class DebugSpec:
+    """Fault injection for the harness's own tests; off unless ``fail_step`` is set."""
+
+    fail_step: int | None = None
+    fail_rank: int = 0
+    fail_mode: str = "raise"
+    fail_arm: str | None = None
+
+
+@dataclass(frozen=True)
+class SuiteSpec:
+    """A validated suite: its arms, its checks and how goldens are checked; what manifest.json records."""
+
+    name: str
+    description: str
+    path: Path
+    ranks: int
+    steps: int
+    arms: dict[str, ArmSpec]
+    checks: tuple[CheckSpec, ...]
+    golden_tier: dict[str, Any]
+    golden_metrics: tuple[str, ...]
+    golden_cross_env: dict[str, Any]
+    debug: DebugSpec
+
+    def to_dict(self) -> dict[str, Any]:
+        """The resolved suite as manifest.json records it (and the workers read it)."""
+        return {
+            "name": self.name,
+            "description": self.description,
+            "path": str(self.path),
+            "ranks": self.ranks,
+            "steps": self.steps,
+            "arms": {a.name: {"ranks": a.ranks, "train": a.train} for a in self.arms.values()},
+            "checks": [dataclasses.asdict(c) for c in self.checks],
+            "golden": {
+                "tier": self.golden_tier,
+                "metrics": list(self.golden_metrics),
+                "cross_env": self.golden_cross_env,
+            },
+            "debug": dataclasses.asdict(self.debug),
+        }
