@@ -5,10 +5,12 @@
 * :mod:`~harness.checks.exchange`: token-exchange invariants on the launch/wait events, and the
   same event sequence in two arms;
 * :mod:`~harness.checks.versioned`: the version protocol of a delayed pipeline on its updates;
-* :mod:`~harness.checks.graph`: static checks of a traced arm's graph.
+* :mod:`~harness.checks.graph`: static checks of the graph a traced arm exported;
+* :mod:`~harness.checks.overlap`: that chunked exchanges really overlap, from a traced arm's graph
+  or an eager arm's events.
 """
 
-from harness.checks import exchange, graph, pairs, versioned  # noqa: F401  (they register)
+from harness.checks import exchange, graph, overlap, pairs, versioned  # noqa: F401  (they register)
 from harness.checks.registry import FAMILIES, CheckFamily, register, run_check
 
 CHECK_KINDS = tuple(FAMILIES)
