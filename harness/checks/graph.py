@@ -89,31 +89,31 @@ def _node(raw: Any, index: int) -> GraphNode:
     if not isinstance(raw, dict):
         raise GraphFormatError(f"{where}: expected an object, got {raw!r}")
 
-    def field_(key: str, types: tuple[type, ...], optional: bool = False) -> Any:
+    def field_(key: str, type_: type, optional: bool = False) -> Any:
         value = raw.get(key)
-        if (value is None and optional) or (isinstance(value, types) and not isinstance(value, bool)):
+        if (value is None and optional) or (isinstance(value, type_) and not isinstance(value, bool)):
             return value
-        raise GraphFormatError(f"{where}: '{key}' must be {' or '.join(t.__name__ for t in types)}, got {value!r}")
+        raise GraphFormatError(f"{where}: '{key}' must be {type_.__name__}, got {value!r}")
 
-    role, phase = field_("role", (str,)), field_("phase", (str,))
+    role, phase = field_("role", str), field_("phase", str)
     for key, value, allowed in (("role", role, ROLES), ("phase", phase, PHASES)):
         if value not in allowed:
             raise GraphFormatError(f"{where}: '{key}' must be one of {allowed}, got {value!r}")
-    users = field_("users", (list,))
+    users = field_("users", list)
     if not all(isinstance(user, str) for user in users):
         raise GraphFormatError(f"{where}: 'users' must list node names, got {users!r}")
     return GraphNode(
-        order=field_("order", (int,)),
-        name=field_("name", (str,)),
-        op=field_("op", (str,)),
+        order=field_("order", int),
+        name=field_("name", str),
+        op=field_("op", str),
         role=role,
-        pool=field_("pool", (str,)),
-        buffer_set=field_("buffer_set", (int,)),
-        chunk=field_("chunk", (int,), optional=True),
-        region=field_("region", (str,), optional=True),
+        pool=field_("pool", str),
+        buffer_set=field_("buffer_set", int),
+        chunk=field_("chunk", int, optional=True),
+        region=field_("region", str, optional=True),
         phase=phase,
         users=tuple(users),
-        consumes=field_("consumes", (str,), optional=True),
+        consumes=field_("consumes", str, optional=True),
     )
 
 
