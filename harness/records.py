@@ -132,13 +132,20 @@ class ArmRecords:
     metrics: pd.DataFrame = field(default_factory=lambda: read_metrics_records([], "<none>"))
     updates: list[dict] = field(default_factory=list)  # metrics.jsonl as written: null and NaN kept apart
     events: dict[int, list[dict]] = field(default_factory=dict)  # logical rank -> token-exchange events
+    ranks: dict[int, list[dict]] = field(default_factory=dict)  # logical rank -> its loss, grad norm, hashes
+    digests: list[dict] = field(default_factory=list)  # logical rank 0's gradient and parameter digests
     moe_layers: list[int] | None = None  # None: arm.json missing or without them
     graph: dict | None = None  # graph.json of a traced arm: its scheduled exchange ops; None if absent
     cpu_capability: str | None = None  # the ISA ATen dispatched to in the arm's ranks
+    fidelity: list[dict] = field(default_factory=list)  # an oracle arm's fidelity.jsonl, one line per step
     error: str | None = None  # unreadable records
 
     def steps_done(self) -> int:
         return len(self.metrics)
+
+
+def _read_if_there(path: Path) -> list[dict]:
+    return read_jsonl(path) if path.is_file() else []
 
 
 def read_arm(run_dir: Path, arm: str, logical_ranks: int) -> ArmRecords:
@@ -155,9 +162,12 @@ def read_arm(run_dir: Path, arm: str, logical_ranks: int) -> ArmRecords:
             records.cpu_capability = arm_info.get("cpu_capability")
         if (arm_dir / "graph.json").is_file():
             records.graph = json.loads((arm_dir / "graph.json").read_text())
+        if (arm_dir / "fidelity.jsonl").is_file():
+            records.fidelity = read_jsonl(arm_dir / "fidelity.jsonl")
         for logical_rank in range(logical_ranks):
-            path = arm_dir / f"events.rank{logical_rank}.jsonl"
-            records.events[logical_rank] = read_jsonl(path) if path.is_file() else []
+            records.events[logical_rank] = _read_if_there(arm_dir / f"events.rank{logical_rank}.jsonl")
+            records.ranks[logical_rank] = _read_if_there(arm_dir / f"ranks.rank{logical_rank}.jsonl")
+        records.digests = _read_if_there(arm_dir / "digests.jsonl")
     except (RecordError, OSError, ValueError) as e:
         records.error = f"unreadable records of arm '{arm}': {e}"
     return records

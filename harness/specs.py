@@ -40,6 +40,7 @@ class ArmSpec:
     name: str
     ranks: int
     train: dict[str, Any]
+    oracle: str | None = None  # an implementation trained in lockstep with it (harness.oracles)
 
     @property
     def ep(self) -> int:
@@ -102,7 +103,7 @@ class SuiteSpec:
             "path": str(self.path),
             "ranks": self.ranks,
             "steps": self.steps,
-            "arms": {a.name: {"ranks": a.ranks, "train": a.train} for a in self.arms.values()},
+            "arms": {a.name: {"ranks": a.ranks, "train": a.train, "oracle": a.oracle} for a in self.arms.values()},
             "checks": [dataclasses.asdict(c) for c in self.checks],
             "golden": {
                 "tier": self.golden_tier,

@@ -12,29 +12,35 @@ count of every arm, and ``ep`` defaults to the suite's ``ranks``. So an arm that
 Trainers: an arm that sets any field of the delayed pipeline (``delay``,
 ``max_gradient_staleness``, ``retention``, ``correction``, ``apply_twice_batch``), in its own
 table or in ``[train]``, is a *versioned* arm: it resolves to a ``PipelineConfig`` and runs on
-``VersionedTrainer``; every other arm is a plain ``TrainConfig`` on ``Trainer``.
+``VersionedTrainer``; every other arm is a plain ``TrainConfig`` on ``Trainer``. An arm may also
+name its own ``model`` (default: ``[model] config``) and an ``oracle``: ``"hf"`` trains it in
+lockstep with Hugging Face transformers (see :mod:`harness.oracles`), which must be installed.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import json
 import math
 import re
 import tomllib
 import typing
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from harness import oracles
 from harness.checks import FAMILIES
 from harness.checks.pairs import DEFAULT_METRICS
 from harness.compare import tier_from_spec
 from harness.records import METRIC_COLUMNS
-from harness.reference.model import CONFIGS
+from harness.reference.hf_config import HF_BASE, HFConfigError, hf_config_fields
+from harness.reference.model import CONFIGS, DeepseekV3Config, get_config
 from harness.reference.pipeline import PipelineConfig
 from harness.reference.train import TrainConfig
-from harness.specs import ArmSpec, CheckSpec, DebugSpec, SuiteSpec, train_config
+from harness.specs import PIPELINE_FIELDS, ArmSpec, CheckSpec, DebugSpec, SuiteSpec, train_config
 
 SUITES_DIR = Path(__file__).resolve().parent.parent / "suites"
 MAX_RANKS = 8
@@ -58,17 +64,43 @@ def _value_type(hint: Any) -> type:
 _TRAIN_FIELDS: dict[str, type] = {
     name: _value_type(hint)
     for name, hint in typing.get_type_hints(PipelineConfig).items()
-    if name not in ("model", "device")
+    if name not in ("model", "model_overrides", "device")
 }
 # Sizes and rates that must be positive; other numbers need only be non-negative ints or finite
 # floats, and the reference's TrainConfig validates its own domains after this.
 _POSITIVE = {"ep", "local_batch", "seq_len", "chunks", "num_buffer_sets", "lr", "max_norm"}
+# DeepseekV3Config fields a suite may set in [model] (or --set model.FIELD), and those a
+# config.json may set to null (TOML has no null: in a suite they are set or left out).
+_MODEL_HINTS = typing.get_type_hints(DeepseekV3Config)
+_MODEL_FIELDS: dict[str, type] = {name: _value_type(hint) for name, hint in _MODEL_HINTS.items()}
+_MODEL_NULLABLE = {name for name, hint in _MODEL_HINTS.items() if type(None) in typing.get_args(hint)}
+# Every model int is a size >= 1 but these; floats need only be finite but the positive ones.
+_MODEL_MAY_BE_ZERO = {"first_k_dense_replace", "n_shared_experts", "pad_token_id"}
+_MODEL_POSITIVE = {name for name, kind in _MODEL_FIELDS.items() if kind is int and name not in _MODEL_MAY_BE_ZERO} | {
+    "rms_norm_eps",
+    "rope_theta",
+    "initializer_range",
+    "rope_factor",
+    "rope_beta_fast",
+    "rope_beta_slow",
+}
 _TOP_KEYS = ("name", "description", "ranks", "steps", "model", "train", "arms", "checks", "golden", "debug")
 _TABLES = ("model", "train", "golden", "debug")
 
 
 class SuiteError(Exception):
     """A bad suite or override; the message is one line naming the file (or --set) and field."""
+
+
+@dataclass(frozen=True)
+class _Model:
+    """[model] resolved: the reference's config name and the fields set away from it (what the
+    ranks build, in TrainConfig.model and model_overrides), and the config as the suite named it."""
+
+    name: str
+    overrides: dict[str, Any]
+    shown: str
+    n_routed_experts: int
 
 
 def suite_path(name_or_path: str) -> Path:
@@ -235,16 +267,24 @@ class _Validator:
         return tuple(value)
 
     def train_value(self, value: Any, dotted: str, key: str) -> Any:
-        """Type-checks one TrainConfig field against the type of its default."""
-        expected = _TRAIN_FIELDS[key]
+        """Type-checks one TrainConfig field against its annotation."""
+        return self.typed(value, dotted, _TRAIN_FIELDS[key], key in _POSITIVE)
+
+    def model_value(self, value: Any, dotted: str, key: str) -> Any:
+        """Type-checks one DeepseekV3Config field against its annotation; null only where it allows None."""
+        if value is None and key in _MODEL_NULLABLE:
+            return None
+        return self.typed(value, dotted, _MODEL_FIELDS[key], key in _MODEL_POSITIVE)
+
+    def typed(self, value: Any, dotted: str, expected: type, positive: bool) -> Any:
+        """``value`` as a bool, int (>= 1 if ``positive``, else >= 0), finite float (> 0 if ``positive``) or string."""
         if expected is bool:
             if not isinstance(value, bool):
                 raise self.error(dotted, f"expected true or false, got {_show(value)}")
             return value
         if expected is int:
-            return self.int_(value, dotted, lo=1 if key in _POSITIVE else 0)
+            return self.int_(value, dotted, lo=1 if positive else 0)
         if expected is float:
-            positive = key in _POSITIVE
             number = not isinstance(value, bool) and isinstance(value, (int, float)) and math.isfinite(value)
             if not number or (positive and value <= 0):
                 raise self.error(
@@ -266,14 +306,13 @@ class _Validator:
         description = self.str_(raw["description"], "description")
         ranks = self.int_(raw["ranks"], "ranks", 1, MAX_RANKS)
         steps = self.int_(raw["steps"], "steps")
-        model_table = self.table(raw.get("model", {}), "model", ("config",))
-        model = self.str_(model_table.get("config", TrainConfig.model), "model.config", tuple(CONFIGS))
+        model = self.model(raw.get("model", {}), path)
         base = self.train_table(raw.get("train", {}), "train", allowed=tuple(_TRAIN_FIELDS))
         arms_raw = raw["arms"]
         if not isinstance(arms_raw, dict) or not arms_raw:
             raise self.error("arms", f"expected at least one [arms.NAME] table, got {_show(arms_raw)}")
         arms = {
-            self.name(arm, f"arms.{arm}"): self.arm(arm, table, base, model, ranks, steps)
+            self.name(arm, f"arms.{arm}"): self.arm(arm, table, base, model, ranks, steps, raw.get("model", {}), path)
             for arm, table in arms_raw.items()
         }
         checks_raw = raw.get("checks", [])
@@ -297,16 +336,97 @@ class _Validator:
             raise self.error(dotted, f"expected a name of lowercase letters, digits, '-' or '_', got {_show(value)}")
         return value
 
+    def model(self, raw: Any, suite_file: Path) -> _Model:
+        """[model]: ``config``, a named config or a Hugging Face config.json, then any DeepseekV3Config
+        fields replacing its values. A field that makes the model invalid is named where it was set."""
+        if not isinstance(raw, dict):
+            raise self.error("model", f"expected a table, got {_show(raw)}")
+        for key in raw:
+            if key != "config" and key not in _MODEL_FIELDS:
+                near = difflib.get_close_matches(key, _MODEL_FIELDS, n=1)
+                hint = f"did you mean {near[0]}? " if near else ""
+                raise self.error(f"model.{key}", f"unknown key ({hint}allowed: config and the DeepseekV3Config fields)")
+        shown = self.str_(raw.get("config", TrainConfig.model), "model.config")
+        where: dict[str, tuple[_Validator, str]] = {}  # field -> the validator of its file, its dotted key
+        if shown in CONFIGS:
+            name, values = shown, {}
+        elif shown.endswith(".json") or "/" in shown:
+            name, values = HF_BASE, self.hf_config(shown, suite_file, where)
+        else:
+            choices = ", ".join(CONFIGS)
+            raise self.error(
+                "model.config", f"expected one of {choices} or a path to a Hugging Face config.json, got {_show(shown)}"
+            )
+        for key, value in raw.items():
+            if key != "config":
+                values[key] = self.model_value(value, f"model.{key}", key)
+                where[key] = (self, f"model.{key}")
+        try:
+            resolved = get_config(name, **values)
+        except ValueError as e:
+            # DeepseekV3Config's messages start with the field they reject.
+            validator, dotted = where.get(str(e).split()[0], (self, "model.config"))
+            raise validator.error(dotted, str(e)) from None
+        overrides = {k: v for k, v in values.items() if getattr(CONFIGS[name], k) != v}
+        return _Model(name, overrides, shown, resolved.n_routed_experts)
+
+    def hf_config(self, shown: str, suite_file: Path, where: dict[str, tuple[_Validator, str]]) -> dict[str, Any]:
+        """The fields a Hugging Face config.json sets, typed; errors name the JSON file and key.
+        A relative path is relative to the suite file, or to the working directory from --set."""
+        path = Path(shown)
+        if not path.is_absolute() and "model.config" not in self.origins:
+            path = suite_file.parent / path
+        if not path.is_file():
+            raise self.error("model.config", f"no such file {_show(str(path))}")
+        hf_file = _Validator(_display(path), self.device)
+        try:
+            hf = json.loads(path.read_text())
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise hf_file.error("", f"invalid JSON: {e}") from None
+        if not isinstance(hf, dict):
+            raise hf_file.error("", f"expected a JSON object, got {_show(hf)}")
+        try:
+            found = hf_config_fields(hf)
+        except HFConfigError as e:
+            raise hf_file.error(e.key, e.reason) from None
+        values = {}
+        for field, (key, value) in found.items():
+            values[field] = hf_file.model_value(value, key, field)
+            where[field] = (hf_file, key)
+        return values
+
     def train_table(self, raw: Any, dotted: str, allowed: tuple[str, ...]) -> dict[str, Any]:
         table = self.table(raw, dotted, allowed)
         return {k: self.train_value(v, f"{dotted}.{k}", k) for k, v in table.items() if k in _TRAIN_FIELDS}
 
-    def arm(self, name: str, raw: Any, base: dict[str, Any], model: str, suite_ranks: int, steps: int) -> ArmSpec:
+    def arm(
+        self,
+        name: str,
+        raw: Any,
+        base: dict[str, Any],
+        model: _Model,
+        suite_ranks: int,
+        steps: int,
+        model_raw: dict,
+        suite_file: Path,
+    ) -> ArmSpec:
+        """One [arms.NAME] table over [train]; its ``model``, a named config, replaces [model]'s
+        ``config`` and keeps [model]'s field overrides."""
         dotted = f"arms.{name}"
-        own = self.train_table(raw, dotted, allowed=("ranks", *_TRAIN_FIELDS))
+        own = self.train_table(raw, dotted, allowed=("ranks", "model", "oracle", *_TRAIN_FIELDS))
         ranks = self.int_(raw["ranks"], f"{dotted}.ranks", 1, MAX_RANKS) if "ranks" in raw else suite_ranks
+        if "model" in raw:
+            named = self.str_(raw["model"], f"{dotted}.model", tuple(CONFIGS))
+            model = self.model({**model_raw, "config": named}, suite_file)
         ranks_field = f"{dotted}.ranks" if "ranks" in raw else "ranks"
-        merged = {"ep": suite_ranks, **base, **own, "model": model, "device": self.device}
+        merged = {
+            "ep": suite_ranks,
+            **base,
+            **own,
+            "model": model.name,
+            "model_overrides": model.overrides,
+            "device": self.device,
+        }
 
         def source(key: str) -> str:
             """The field a merged value came from; ep falls back to the suite's ranks."""
@@ -320,11 +440,11 @@ class _Validator:
                 else dotted
             )
 
-        experts = CONFIGS[model].n_routed_experts
-        if experts % merged["ep"]:
+        if model.n_routed_experts % merged["ep"]:
             raise self.error(
                 source("ep"),
-                f"EP degree {merged['ep']} does not divide the {experts} routed experts of model {_show(model)}",
+                f"EP degree {merged['ep']} does not divide the {model.n_routed_experts} routed experts"
+                f" of model {_show(model.shown)}",
             )
         if merged["ep"] % ranks:
             raise self.error(
@@ -338,7 +458,20 @@ class _Validator:
             raise self.error(source(first_word) if first_word in _TRAIN_FIELDS else dotted, str(e)) from None
         if isinstance(config, PipelineConfig):
             self.pipeline(config, source, steps)
-        return ArmSpec(name, ranks, dataclasses.asdict(config))
+        oracle = self.oracle(raw["oracle"], f"{dotted}.oracle", config) if "oracle" in raw else None
+        return ArmSpec(name, ranks, dataclasses.asdict(config), oracle)
+
+    def oracle(self, value: Any, dotted: str, config: TrainConfig) -> str:
+        """An oracle the arm's configuration has a counterpart in, and whose package is installed."""
+        oracle = self.str_(value, dotted, oracles.ORACLES)
+        if isinstance(config, PipelineConfig):
+            raise self.error(
+                dotted, f"needs a plain arm: the oracle has no delayed pipeline (unset {', '.join(PIPELINE_FIELDS)})"
+            )
+        problem = oracles.unsupported(dataclasses.asdict(config)) or oracles.missing_dependency()
+        if problem:
+            raise self.error(dotted, problem)
+        return oracle
 
     def pipeline(self, config: PipelineConfig, source: Callable[[str], str], steps: int) -> None:
         """What the reference accepts but can never run: it would only fail inside the ranks."""

@@ -1,14 +1,16 @@
 """One rank of a launch group: ``python -m harness.worker RUN_DIR GROUP``, started by launch.py.
 
 Runs each arm of the group in turn, re-seeded identically, and streams what the parent
-judges: ``arms/<arm>/metrics.jsonl``, ``arm.json`` and, for a traced arm, ``graph.json`` (its
-scheduled exchange ops; all three from process rank 0), and
-``arms/<arm>/events.rank<logical rank>.jsonl`` (the process hosting that logical rank). Every
-line is flushed, so a crash leaves every finished step on disk.
+judges: ``arms/<arm>/metrics.jsonl`` and ``digests.jsonl`` (process rank 0, for logical rank 0),
+``arm.json`` and, for a traced arm, ``graph.json`` (its scheduled exchange ops; process rank 0),
+and ``events.rank<k>.jsonl`` and ``ranks.rank<k>.jsonl`` (the process hosting logical rank k; see
+:mod:`harness.digests`). Every line is flushed, so a crash leaves every finished step on disk.
 
 A plain arm runs on ``Trainer``, a versioned arm (one that sets a pipeline field) on
 ``VersionedTrainer``, whose metrics lines add the pipeline's columns (tick, revision, ages,
-batches_applied, correction statistics, forwards, recomputes).
+batches_applied, correction statistics, forwards, recomputes). An arm with ``oracle = "hf"``
+runs ``Trainer`` in lockstep with Hugging Face transformers (:mod:`harness.oracles.hf`) and
+also streams ``arms/<arm>/fidelity.jsonl`` (process rank 0).
 """
 
 from __future__ import annotations
@@ -26,16 +28,21 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
 from torch.distributed.elastic.multiprocessing.errors import record
 
+from harness.digests import HASH_EVERY, digest_all, parameters_hash
 from harness.records import JsonlWriter, write_json_atomic
+from harness.reference.ep.exchange import EventSink
 from harness.reference.pipeline import PipelineConfig, VersionedTrainer
-from harness.reference.train import Trainer
+from harness.reference.train import GradSink, RankUpdate, TrainConfig, Trainer, UpdateSink
 from harness.specs import train_config
+
+if TYPE_CHECKING:
+    from harness.oracles.hf import HFLockstep
 
 _PR_SET_PDEATHSIG = 1
 # The harness process (the elastic agent) exports its pid, so a rank can tell it was orphaned.
@@ -108,28 +115,91 @@ def updates(trainer: Trainer, steps: int, before_step: Callable[[int], bool]) ->
             yield {**result, "step": result["step"] + 1} if versioned else result
 
 
-def run_arm(run_dir: Path, arm: str, train: dict[str, Any], steps: int, debug: dict[str, Any]) -> None:
+class _ArmFiles:
+    """The record files of one arm, opened on first write. Logical ranks call from their own
+    threads; each file is written by one thread only (its logical rank's)."""
+
+    def __init__(self, arm_dir: Path, stack: contextlib.ExitStack) -> None:
+        self._arm_dir, self._stack = arm_dir, stack
+        self._writers: dict[str, JsonlWriter] = {}
+        self._opening = threading.Lock()
+
+    def write(self, name: str, record: dict) -> None:
+        if name not in self._writers:
+            with self._opening:
+                self._writers[name] = self._stack.enter_context(JsonlWriter(self._arm_dir / name))
+        self._writers[name].write(record)
+
+
+class _RankRecorder:
+    """The trainer's gradient and update sinks: every logical rank's loss, grad norm and replicated
+    parameter hash, and logical rank 0's gradient and parameter digests (see harness.digests).
+
+    Steps are numbered as :func:`updates` numbers them: a versioned trainer counts its updates from 0.
+    """
+
+    def __init__(self, files: _ArmFiles, steps: int, versioned: bool) -> None:
+        self._files, self._steps = files, steps
+        self._offset = 1 if versioned else 0
+        self._grad_digests: dict[int, dict[str, list]] = {}  # logical rank 0's, until its update
+
+    def grads(self, logical_rank: int, step: int, grads: dict[str, torch.Tensor]) -> None:
+        if logical_rank == 0:
+            self._grad_digests[step + self._offset] = digest_all(grads)
+
+    def update(self, logical_rank: int, step: int, update: RankUpdate) -> None:
+        step += self._offset
+        record: dict[str, Any] = {"step": step, "loss": update.loss, "grad_norm": update.grad_norm}
+        if step % HASH_EVERY == 0 or step == self._steps:
+            record["replicated_hash"] = parameters_hash(update.replicated.values())
+        self._files.write(f"ranks.rank{logical_rank}.jsonl", record)
+        if logical_rank == 0:
+            params = digest_all({**update.replicated, **update.experts})
+            grads = self._grad_digests.pop(step, {})
+            self._files.write("digests.jsonl", {"step": step, "grads": grads, "params": params})
+
+
+def make_trainer(
+    config: TrainConfig,
+    oracle: str | None,
+    event_sink: EventSink,
+    grad_sink: GradSink,
+    update_sink: UpdateSink,
+    fidelity_sink: Callable[[dict], None] | None,
+) -> Trainer | VersionedTrainer | HFLockstep:
+    """The arm's trainer; transformers is imported only by an arm that trains against it."""
+    sinks = {"event_sink": event_sink, "grad_sink": grad_sink, "update_sink": update_sink}
+    if oracle == "hf":
+        from harness.oracles.hf import HFLockstep
+
+        return HFLockstep(config, **sinks, fidelity_sink=fidelity_sink)
+    return (VersionedTrainer if isinstance(config, PipelineConfig) else Trainer)(config, **sinks)
+
+
+def run_arm(run_dir: Path, arm: str, spec: dict[str, Any], steps: int, debug: dict[str, Any]) -> None:
     """Builds the arm's trainer from a fresh seed and runs its steps, streaming records."""
+    train = spec["train"]
     rank = dist.get_rank()
     arm_dir = run_dir / "arms" / arm
     config = train_config(train)
     random.seed(config.seed)
     torch.manual_seed(config.seed)
     with contextlib.ExitStack() as stack:
-        writers: dict[int, JsonlWriter] = {}
-        opening = threading.Lock()
-
-        def sink(logical_rank: int, event: dict) -> None:
-            # Called from each logical rank's thread; each file has one writer thread.
-            if logical_rank not in writers:
-                with opening:
-                    path = arm_dir / f"events.rank{logical_rank}.jsonl"
-                    writers[logical_rank] = stack.enter_context(JsonlWriter(path))
-            writers[logical_rank].write(event)
-
-        trainer = (VersionedTrainer if isinstance(config, PipelineConfig) else Trainer)(config, event_sink=sink)
-        stack.callback(trainer.close)
+        files = _ArmFiles(arm_dir, stack)
+        recorder = _RankRecorder(files, steps, isinstance(config, PipelineConfig))
         metrics = stack.enter_context(JsonlWriter(arm_dir / "metrics.jsonl")) if rank == 0 else None
+        fidelity = (
+            stack.enter_context(JsonlWriter(arm_dir / "fidelity.jsonl")) if rank == 0 and spec["oracle"] else None
+        )
+        trainer = make_trainer(
+            config,
+            spec["oracle"],
+            event_sink=lambda logical_rank, event: files.write(f"events.rank{logical_rank}.jsonl", event),
+            grad_sink=recorder.grads,
+            update_sink=recorder.update,
+            fidelity_sink=fidelity.write if fidelity else None,
+        )
+        stack.callback(trainer.close)
         if rank == 0:
             write_json_atomic(
                 arm_dir / "arm.json",
@@ -163,7 +233,7 @@ def main(argv: list[str]) -> None:
     _init_process_group(manifest["device"], manifest["backend"])
     print(f"rank {dist.get_rank()}/{dist.get_world_size()} of group {group_name}: pid {os.getpid()}", flush=True)
     for arm in group["arms"]:
-        run_arm(run_dir, arm, suite["arms"][arm]["train"], suite["steps"], suite["debug"])
+        run_arm(run_dir, arm, suite["arms"][arm], suite["steps"], suite["debug"])
     dist.destroy_process_group()
 
 

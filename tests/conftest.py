@@ -55,6 +55,21 @@ def run_harness() -> Callable[..., CliRun]:
 
 
 @pytest.fixture
+def plant(tmp_path: Path) -> Callable[[str], dict[str, object]]:
+    """``plant(code)``: the environment in which every process of a run (the ranks included) runs
+    ``code`` at start-up, as a sitecustomize, with the repository importable so it can patch the
+    reference: a bug planted where a change would put it."""
+
+    def environment(code: str) -> dict[str, object]:
+        site = tmp_path / "planted"
+        site.mkdir(exist_ok=True)
+        (site / "sitecustomize.py").write_text(code)
+        return {"PYTHONPATH": os.pathsep.join([str(site), str(REPO)])}
+
+    return environment
+
+
+@pytest.fixture
 def start_harness() -> Callable[..., subprocess.Popen]:
     """The real CLI, started and not waited for; killed at teardown if still running."""
     started: list[subprocess.Popen] = []

@@ -144,3 +144,17 @@ def test_html_plots_take_mathtext_characters_literally(tmp_path):
                "b": pd.DataFrame({"loss": [1.0, 0.25]}, index=pd.Index([1, 2], name="step"))}  # fmt: skip
     write_html(tmp_path / "report.html", {"suite": "s", "verdict": "pass", "checks": []}, metrics)
     assert "$a^$" in (tmp_path / "report.html").read_text()
+
+
+def test_html_shows_where_the_gradients_first_differ_beside_the_curve(tmp_path):
+    m = metrics(perturb_at=5)
+    s = summary(checks_for(m))
+    where = "step 5: first gradient to differ is model.layers.1.mlp.experts.down_proj (max abs 1e-05, max rel 0.002)"
+    s["checks"][0]["name"] = "eager vs graph: loss"  # as the pair checks name a metric's comparison
+    s["checks"][0]["extra"]["first_gradient_divergence"] = {"summary": where, "step": 5}
+    path = tmp_path / "report.html"
+    write_html(path, s, m)
+    html = path.read_text()
+    figures = re.findall(r"<figure>.*?</figure>", html, re.S)
+    assert where in figures[0] and "eager vs graph: loss" in figures[0]  # the loss curve
+    assert all(where not in f for f in figures[1:])

@@ -8,8 +8,10 @@ from pathlib import Path
 
 import pytest
 
+from harness.golden import config_differences
 from harness.launch import plan_launches
 from harness.progress import Progress
+from harness.run import golden_config
 from harness.suites import SuiteError, list_suites, load_suite
 
 GOOD = """
@@ -101,8 +103,7 @@ def test_bare_train_field_override_applies_to_every_arm(tmp_path: Path) -> None:
         ),
         (
             GOOD.replace('kind = "exact"', 'kind = "exactly"'),
-            "FILE: checks.0.kind: expected one of token-exchange-invariants, same-event-sequence,"
-            " graph-invariants, overlap, exact",
+            "FILE: checks.0.kind: expected one of token-exchange-invariants, same-event-sequence, fidelity,",
         ),
         (GOOD + 'arms = ["eager", "graph"]\n', 'FILE: checks.0.arms.1: expected one of eager, plain, got "graph"'),
         (
@@ -119,7 +120,8 @@ def test_bare_train_field_override_applies_to_every_arm(tmp_path: Path) -> None:
         (GOOD.replace("lr = 0.001", 'routing = "random"'), "FILE: train.routing: routing must be one of"),
         (
             GOOD.replace("[train]", '[model]\nconfig = "huge"\n[train]'),
-            'FILE: model.config: expected one of cpu-tiny, debugmodel, got "huge"',
+            "FILE: model.config: expected one of cpu-tiny, cpu-tiny-learned, cpu-tiny-learned-no-q-lora, debugmodel,"
+            ' deepseek-v3 or a path to a Hugging Face config.json, got "huge"',
         ),
         (
             GOOD + '[debug]\nfail_mode = "explode"\n',
@@ -165,11 +167,179 @@ def test_suite_errors_name_file_and_field(tmp_path: Path, text: str, expected: s
         (("--set", "checks.3.kind=exact"), "--set checks.3.kind: checks.3: expected an index below 1"),
         (("--ranks", "ranks=6"), '--ranks: EP degree 6 does not divide the 8 routed experts of model "cpu-tiny"'),
         (("--steps", "steps=0"), "--steps: expected int >= 1, got 0"),
+        (
+            ("--set", "model.routed_scaling_factor=fast"),
+            '--set model.routed_scaling_factor: expected a finite number, got "fast"',
+        ),
+        (
+            ("--set", "model.routed_scaling=2"),
+            "--set model.routed_scaling: unknown key (did you mean routed_scaling_factor? allowed: config and",
+        ),
+        (("--set", "model.n_group=3"), "--set model.n_group: n_group 3 does not divide the 8 routed experts"),
+        (("--set", "model.hidden_act=tanh"), "--set model.hidden_act: hidden_act must be one of ('silu', 'swish'"),
+        (("--set", "model.num_hidden_layers=0"), "--set model.num_hidden_layers: expected int >= 1, got 0"),
+        (("--set", "model.tie_word_embeddings=1"), "--set model.tie_word_embeddings: expected true or false, got 1"),
+        (("--set", "model.config=missing.json"), '--set model.config: no such file "missing.json"'),
     ],
     ids=lambda value: value if isinstance(value, str) else value[1],
 )
 def test_override_errors_name_the_override(tmp_path: Path, override: tuple[str, str], expected: str) -> None:
     assert _error(tmp_path, overrides=[override]).startswith(expected)
+
+
+def test_model_fields_override_the_named_config_and_reach_every_arm_and_the_golden_config(tmp_path: Path) -> None:
+    text = GOOD.replace("[train]", '[model]\nconfig = "cpu-tiny"\nrouted_scaling_factor = 2\n[train]')
+    suite = load_suite(str(_write(tmp_path, text)), [("--set", "model.rms_norm_eps=1e-5")])
+    for arm in suite.arms.values():
+        assert arm.train["model"] == "cpu-tiny"
+        assert arm.train["model_overrides"] == {"routed_scaling_factor": 2.0, "rms_norm_eps": 1e-5}
+    differences = config_differences(golden_config(load_suite(str(_write(tmp_path, GOOD)))), golden_config(suite))
+    for arm in suite.arms:
+        assert f"arms.{arm}.config.model_overrides.routed_scaling_factor: golden unset, this run 2.0" in differences
+        assert f"arms.{arm}.config.model_overrides.rms_norm_eps: golden unset, this run 1e-05" in differences
+
+
+def test_a_model_field_set_to_the_named_configs_value_is_no_override(tmp_path: Path) -> None:
+    """cpu-tiny's rms_norm_eps is 1e-6: the same model, so the same golden configuration."""
+    suite = load_suite(str(_write(tmp_path, GOOD)), [("--set", "model.rms_norm_eps=1e-6")])
+    assert suite.arms["eager"].non_defaults() == {"chunking": "eager"}
+
+
+@pytest.mark.parametrize(
+    "table,expected",
+    [
+        ("routed_scaling_factor = true", "FILE: model.routed_scaling_factor: expected a finite number, got true"),
+        ("n_groups = 2", "FILE: model.n_groups: unknown key (did you mean n_group?"),
+        ("topk_group = 3", "FILE: model.topk_group: topk_group must be in 1-2 (n_group), got 3"),
+        ("rms_norm_eps = 0.0", "FILE: model.rms_norm_eps: expected a number > 0, got 0.0"),
+        ('rope_type = "linear"', "FILE: model.rope_type: rope_type must be one of ('default', 'yarn')"),
+        (
+            "n_routed_experts = 5\nn_group = 1",
+            'FILE: ranks: EP degree 2 does not divide the 5 routed experts of model "cpu-tiny"',
+        ),
+    ],
+    ids=lambda value: value if value.startswith("FILE") else "",
+)
+def test_model_field_errors_name_file_and_field(tmp_path: Path, table: str, expected: str) -> None:
+    assert _error(tmp_path, GOOD.replace("[train]", f"[model]\n{table}\n[train]")).startswith(expected)
+
+
+FIXTURE = Path(__file__).parent / "fixtures" / "deepseek-v3-tiny"
+
+
+def test_a_hugging_face_config_json_resolves_on_its_defaults_shrunk_by_the_suite() -> None:
+    suite = load_suite(str(FIXTURE / "suite.toml"))
+    train = suite.arms["procs"].train
+    assert train["model"] == "deepseek-v3"  # Hugging Face's defaults, for the keys a file leaves out
+    overrides = train["model_overrides"]
+    assert overrides["num_hidden_layers"] == 2  # the suite's, over the file's 4
+    assert (overrides["hidden_size"], overrides["n_routed_experts"], overrides["n_group"]) == (64, 8, 4)
+    assert (overrides["rope_type"], overrides["rope_factor"], overrides["rope_mscale_all_dim"]) == ("yarn", 40.0, 1.0)
+    assert "routed_scaling_factor" not in overrides  # 2.5, as Hugging Face's default: no override
+    json.dumps(suite.to_dict())
+
+
+def _hf_error(tmp_path: Path, edit: dict, drop: tuple[str, ...] = ()) -> str:
+    """The one-line error of the fixture suite with its config.json edited; the file shows as CONFIG."""
+    hf = {k: v for k, v in json.loads((FIXTURE / "config.json").read_text()).items() if k not in drop}
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps(hf | edit))
+    suite = tmp_path / "suite.toml"
+    suite.write_text((FIXTURE / "suite.toml").read_text())
+    with pytest.raises(SuiteError) as info:
+        load_suite(str(suite))
+    message = str(info.value)
+    assert "\n" not in message
+    return message.replace(str(config), "CONFIG").replace(str(suite), "FILE")
+
+
+@pytest.mark.parametrize(
+    "edit,expected",
+    [
+        ({"sliding_window": 4096}, "CONFIG: sliding_window: unknown key: it may change the numerics"),
+        ({"topk_method": "greedy"}, "CONFIG: topk_method: the reference implements only 'noaux_tc', got 'greedy'"),
+        ({"attention_dropout": 0.1}, "CONFIG: attention_dropout: the reference implements only 0.0, got 0.1"),
+        ({"moe_layer_freq": 2}, "CONFIG: moe_layer_freq: the reference implements only 1, got 2"),
+        ({"num_key_value_heads": 1}, "CONFIG: num_key_value_heads: MLA has one key per head"),
+        ({"rope_scaling": {"type": "longrope", "factor": 4}}, "CONFIG: rope_scaling.type: rope_type must be one of"),
+        (
+            {"rope_scaling": {"type": "yarn", "factor": 4, "low_freq_factor": 1}},
+            "CONFIG: rope_scaling.low_freq_factor: unknown RoPE parameter",
+        ),
+        ({"rope_scaling": {"type": "yarn"}}, "CONFIG: rope_scaling.factor: missing: YaRN needs the factor"),
+        (
+            {"rope_scaling": {"type": "yarn", "factor": "40"}},
+            'CONFIG: rope_scaling.factor: expected a number > 0, got "40"',
+        ),
+        (
+            {"rope_parameters": {"rope_type": "default"}},
+            "CONFIG: rope_scaling: set rope_parameters or rope_scaling, not both",
+        ),
+        ({"n_group": None}, "CONFIG: n_group: expected int >= 1, got null"),
+        ({"hidden_act": "gelu_10"}, "CONFIG: hidden_act: hidden_act must be one of"),
+        ({"model_type": "deepseek_v2"}, "CONFIG: model_type: the reference implements only 'deepseek_v3'"),
+    ],
+    ids=lambda value: value if isinstance(value, str) and value.startswith("CONFIG") else "",
+)
+def test_config_json_errors_name_the_json_file_and_key(tmp_path: Path, edit: dict, expected: str) -> None:
+    assert _hf_error(tmp_path, edit).startswith(expected)
+
+
+def test_config_json_without_original_max_position_embeddings_takes_max_position_embeddings(tmp_path: Path) -> None:
+    rope = {"type": "yarn", "factor": 4, "beta_fast": None}
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps({"model_type": "deepseek_v3", "max_position_embeddings": 2048, "rope_scaling": rope}))
+    suite = _write(tmp_path, GOOD.replace("[train]", f'[model]\nconfig = "{config}"\nn_routed_experts = 8\n[train]'))
+    overrides = load_suite(str(suite)).arms["eager"].train["model_overrides"]
+    assert overrides == {
+        "rope_type": "yarn",
+        "rope_factor": 4.0,
+        "rope_original_max_position_embeddings": 2048,
+        "n_routed_experts": 8,
+    }
+
+
+def test_a_relative_config_path_from_set_is_relative_to_the_working_directory(tmp_path: Path, monkeypatch) -> None:
+    monkeypatch.chdir(FIXTURE.parent)
+    suite = load_suite(str(FIXTURE / "suite.toml"), [("--set", "model.config=deepseek-v3-tiny/config.json")])
+    assert suite.arms["procs"].train["model"] == "deepseek-v3"
+    with pytest.raises(SuiteError, match='^--set model.config: no such file "config.json"$'):
+        load_suite(str(FIXTURE / "suite.toml"), [("--set", "model.config=config.json")])
+
+
+def test_a_config_json_suite_runs_and_a_model_override_reaches_the_ranks(run_harness, tmp_path: Path) -> None:
+    """The fixture's shrunk DeepSeek-V3 trains with learned routing on 2 processes and in one,
+    bitwise alike; routed_scaling_factor set from the command line changes the loss."""
+    base = run_harness("run", FIXTURE / "suite.toml", "--steps", 2, "--out", tmp_path / "base")
+    assert base.returncode == 0, base.stdout + base.stderr
+    scaled = run_harness(
+        "run",
+        FIXTURE / "suite.toml",
+        "--steps",
+        2,
+        "--set",
+        "model.routed_scaling_factor=1.0",
+        "--out",
+        tmp_path / "scaled",
+    )
+    assert scaled.returncode == 0, scaled.stdout + scaled.stderr
+    arm = json.loads((tmp_path / "scaled" / "arms" / "procs" / "arm.json").read_text())
+    assert arm["train"]["model_overrides"]["routed_scaling_factor"] == 1.0
+    losses = [
+        [
+            json.loads(line)["loss"]
+            for line in (tmp_path / run / "arms" / "procs" / "metrics.jsonl").read_text().splitlines()
+        ]
+        for run in ("base", "scaled")
+    ]
+    assert losses[0][0] != losses[1][0]
+
+
+def test_a_bad_model_override_exits_2_with_one_line_naming_it(run_harness, tmp_path: Path) -> None:
+    run = run_harness("run", FIXTURE / "suite.toml", "--set", "model.n_group=3", "--out", tmp_path / "run")
+    assert run.returncode == 2
+    assert run.stderr == "error: --set model.n_group: n_group 3 does not divide the 8 routed experts\n"
+    assert not (tmp_path / "run").exists()
 
 
 def test_missing_suite_names_the_path() -> None:

@@ -7,10 +7,13 @@
 * :mod:`~harness.checks.versioned`: the version protocol of a delayed pipeline on its updates;
 * :mod:`~harness.checks.graph`: static checks of the graph a traced arm exported;
 * :mod:`~harness.checks.overlap`: that chunked exchanges really overlap, from a traced arm's graph
-  or an eager arm's events.
+  or an eager arm's events;
+* :mod:`~harness.checks.fidelity`: an oracle arm's lockstep records against Hugging Face;
+* :mod:`~harness.checks.ranks`: every logical rank of an arm agrees on the step and its replicas;
+* :mod:`~harness.checks.routing`: send counts of every exchange match the receive counts.
 """
 
-from harness.checks import exchange, graph, overlap, pairs, versioned  # noqa: F401  (they register)
+from harness.checks import exchange, fidelity, graph, overlap, pairs, ranks, routing, versioned  # noqa: F401  (they register)
 from harness.checks.registry import FAMILIES, CheckFamily, register, run_check
 
 CHECK_KINDS = tuple(FAMILIES)

@@ -3,6 +3,11 @@
 ``exact``, ``ulp``, ``close`` and ``band`` compare the listed metrics of two arms step by step at
 the tier the table gives (see :mod:`harness.compare`). ``determinism`` runs the same arm twice
 and demands bitwise equal metrics and identical token-exchange events.
+
+When a bit-level comparison (``exact``, ``ulp``, ``determinism``) fails, the failure is localised
+from the arms' gradient and parameter digests: the first step and the first parameter, in
+backward order, whose gradient differs (see :mod:`harness.digests`), in the detail and in
+``extra["first_gradient_divergence"]``.
 """
 
 from __future__ import annotations
@@ -11,7 +16,8 @@ import dataclasses
 
 from harness.checks.exchange import same_events
 from harness.checks.registry import CheckFamily, SuiteReader, register
-from harness.compare import CheckResult, Exact, compare_arms, tier_from_spec
+from harness.compare import CheckResult, Exact, Ulp, compare_arms, tier_from_spec
+from harness.digests import first_divergence
 from harness.records import ArmRecords
 from harness.specs import ArmSpec, CheckSpec, SuiteSpec
 
@@ -44,10 +50,24 @@ def run(check: CheckSpec, suite: SuiteSpec, records: dict[str, ArmRecords]) -> l
         )
         for metric in check.metrics
     ]
+    if isinstance(tier, (Exact, Ulp)) and any(r.status == "fail" for r in results):
+        results = _localised(results, first_divergence(records[a].digests, records[b].digests, a, b))
     if check.kind == DETERMINISM:
         events = same_events(f"{check.name}: events", records[a], records[b], a, b)
         results.append(dataclasses.replace(events, kind=check.kind))
     return results
+
+
+def _localised(results: list[CheckResult], where: dict) -> list[CheckResult]:
+    """Failed metric comparisons, with where the arms' digests first differ added."""
+    return [
+        dataclasses.replace(
+            r, detail=f"{r.detail}; {where['summary']}", extra={**r.extra, "first_gradient_divergence": where}
+        )
+        if r.status == "fail"
+        else r
+        for r in results
+    ]
 
 
 register(CheckFamily((*PAIR_KINDS, DETERMINISM), parse, run))

@@ -11,7 +11,8 @@ that the chunking code can interleave the stages of several chunks through the E
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+import math
+from dataclasses import dataclass, fields, replace
 from typing import Any, Callable
 
 import torch
@@ -22,9 +23,47 @@ from harness.reference.ep import ops as ep_ops
 from harness.reference.ep.exchange import region
 
 
+def _gelu_tanh_python(x: torch.Tensor) -> torch.Tensor:
+    return 0.5 * x * (1.0 + torch.tanh(math.sqrt(2.0 / math.pi) * (x + 0.044715 * torch.pow(x, 3.0))))
+
+
+def _gelu_fast(x: torch.Tensor) -> torch.Tensor:
+    return 0.5 * x * (1.0 + torch.tanh(x * 0.7978845608 * (1.0 + 0.044715 * x * x)))
+
+
+def _gelu_tanh(x: torch.Tensor) -> torch.Tensor:
+    return F.gelu(x, approximate="tanh")
+
+
+def _quick_gelu(x: torch.Tensor) -> torch.Tensor:
+    return x * torch.sigmoid(1.702 * x)
+
+
+# ``hidden_act`` names as Hugging Face's ACT2FN spells them, each computed the way ACT2FN computes it.
+ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
+    "silu": F.silu,
+    "swish": F.silu,
+    "gelu": F.gelu,
+    "gelu_pytorch_tanh": _gelu_tanh,
+    "gelu_new": _gelu_tanh_python,
+    "gelu_fast": _gelu_fast,
+    "quick_gelu": _quick_gelu,
+    "relu": F.relu,
+}
+ROPE_TYPES = ("default", "yarn")
+SCORING_FUNCS = ("sigmoid", "softmax")
+
+
 @dataclass(frozen=True)
 class DeepseekV3Config:
-    """Field names match ``transformers.DeepseekV3Config``; ``scoring_func`` adds softmax scoring."""
+    """Field names match ``transformers.DeepseekV3Config``; ``scoring_func`` adds softmax scoring, and
+    ``correction_bias_init`` draws the initial ``e_score_correction_bias`` uniformly from [0, it)
+    (0: all zero, as a fresh model has), so that the group-limited choice depends on the bias.
+
+    Hugging Face's ``rope_parameters`` dict is flattened: its key ``k`` is the field ``rope_k``
+    (``rope_type``, ``rope_factor``, ``rope_mscale_all_dim``, ...); the ``rope_*`` fields other than
+    ``rope_theta`` and ``rope_type`` only matter for ``rope_type = "yarn"``.
+    """
 
     vocab_size: int = 256
     hidden_size: int = 64
@@ -51,6 +90,43 @@ class DeepseekV3Config:
     rope_theta: float = 10000.0
     rope_interleave: bool = True
     attention_bias: bool = False
+    correction_bias_init: float = 0.0
+    hidden_act: str = "silu"
+    tie_word_embeddings: bool = False
+    pad_token_id: int | None = None
+    rope_type: str = "default"
+    rope_factor: float = 1.0
+    rope_original_max_position_embeddings: int = 4096
+    rope_beta_fast: float = 32.0
+    rope_beta_slow: float = 1.0
+    rope_mscale: float = 0.0  # 0 means unset, as Hugging Face reads it
+    rope_mscale_all_dim: float = 0.0
+    rope_attention_factor: float | None = None  # None: derived from rope_factor and the mscales
+    rope_truncate: bool = True
+
+    def __post_init__(self) -> None:
+        """Rejects what would fail obscurely inside a forward; messages start with the field."""
+        if self.hidden_act not in ACTIVATIONS:
+            raise ValueError(f"hidden_act must be one of {tuple(ACTIVATIONS)}, got {self.hidden_act!r}")
+        if self.rope_type not in ROPE_TYPES:
+            raise ValueError(f"rope_type must be one of {ROPE_TYPES}, got {self.rope_type!r}")
+        if self.scoring_func not in SCORING_FUNCS:
+            raise ValueError(f"scoring_func must be one of {SCORING_FUNCS}, got {self.scoring_func!r}")
+        if self.n_group < 1 or self.n_routed_experts % self.n_group:
+            raise ValueError(f"n_group {self.n_group} does not divide the {self.n_routed_experts} routed experts")
+        if not 1 <= self.topk_group <= self.n_group:
+            raise ValueError(f"topk_group must be in 1-{self.n_group} (n_group), got {self.topk_group}")
+        if not 1 <= self.num_experts_per_tok <= self.n_routed_experts:
+            raise ValueError(
+                f"num_experts_per_tok must be in 1-{self.n_routed_experts} (n_routed_experts), "
+                f"got {self.num_experts_per_tok}"
+            )
+        if self.pad_token_id is not None and not 0 <= self.pad_token_id < self.vocab_size:
+            raise ValueError(
+                f"pad_token_id must be a token id below vocab_size {self.vocab_size}, got {self.pad_token_id}"
+            )
+        if self.rope_factor < 1.0:
+            raise ValueError(f"rope_factor must be >= 1, got {self.rope_factor}")
 
     @property
     def qk_head_dim(self) -> int:
@@ -60,9 +136,16 @@ class DeepseekV3Config:
         return layer >= self.first_k_dense_replace
 
 
+_CPU_TINY_LEARNED = DeepseekV3Config(
+    n_group=4, topk_group=2, num_experts_per_tok=3, routed_scaling_factor=2.5, correction_bias_init=0.1
+)
 CONFIGS: dict[str, DeepseekV3Config] = {
     # 20 steps of two arms on 2 CPU ranks take seconds.
     "cpu-tiny": DeepseekV3Config(),
+    # cpu-tiny with what forced-balanced routing never exercises: learned routing over 4 expert
+    # groups (2 chosen), 3 experts per token, a routed scaling factor and a non-zero correction bias.
+    "cpu-tiny-learned": _CPU_TINY_LEARNED,
+    "cpu-tiny-learned-no-q-lora": replace(_CPU_TINY_LEARNED, q_lora_rank=None),
     # torchtitan's deepseek_v3 debugmodel shape, for GPUs.
     "debugmodel": DeepseekV3Config(
         vocab_size=2048,
@@ -84,12 +167,39 @@ CONFIGS: dict[str, DeepseekV3Config] = {
         first_k_dense_replace=1,
         routed_scaling_factor=1.0,
     ),
+    # Hugging Face's DeepseekV3Config defaults, the 671B checkpoint's shape (61 layers, 256 experts):
+    # what the keys a config.json leaves out mean. Shrink it with overrides before building it.
+    "deepseek-v3": DeepseekV3Config(
+        vocab_size=129280,
+        hidden_size=7168,
+        intermediate_size=18432,
+        moe_intermediate_size=2048,
+        num_hidden_layers=61,
+        num_attention_heads=128,
+        n_shared_experts=1,
+        n_routed_experts=256,
+        routed_scaling_factor=2.5,
+        kv_lora_rank=512,
+        q_lora_rank=1536,
+        qk_rope_head_dim=64,
+        v_head_dim=128,
+        qk_nope_head_dim=128,
+        n_group=8,
+        topk_group=4,
+        num_experts_per_tok=8,
+        first_k_dense_replace=3,
+    ),
 }
+CONFIG_FIELDS = tuple(f.name for f in fields(DeepseekV3Config))
 
 
 def get_config(name: str, **overrides: Any) -> DeepseekV3Config:
+    """A named config with some fields replaced; an unknown name or field is a ValueError naming it."""
     if name not in CONFIGS:
-        raise KeyError(f"unknown model config {name!r}; known: {sorted(CONFIGS)}")
+        raise ValueError(f"model: unknown model config {name!r}; known: {sorted(CONFIGS)}")
+    unknown = sorted(set(overrides) - set(CONFIG_FIELDS))
+    if unknown:
+        raise ValueError(f"model_overrides: {unknown[0]!r} is no DeepseekV3Config field")
     return replace(CONFIGS[name], **overrides)
 
 
@@ -106,12 +216,55 @@ class RMSNorm(nn.Module):
         return self.weight * x.to(dtype)
 
 
+def yarn_mscale(factor: float, mscale: float = 1.0) -> float:
+    """YaRN's magnitude correction for a context stretched ``factor`` times."""
+    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
+
+
+def _yarn_inv_freq(cfg: DeepseekV3Config, pos_freqs: torch.Tensor) -> torch.Tensor:
+    """YaRN: interpolate the low frequencies by ``rope_factor``, keep the high ones, ramp between
+    the dims that turn ``rope_beta_fast`` and ``rope_beta_slow`` times over the original context.
+    Hugging Face's ``_compute_yarn_parameters``, step for step."""
+    dim, base = cfg.qk_rope_head_dim, cfg.rope_theta
+
+    def correction_dim(rotations: float) -> float:
+        return (dim * math.log(cfg.rope_original_max_position_embeddings / (rotations * 2 * math.pi))) / (
+            2 * math.log(base)
+        )
+
+    low, high = correction_dim(cfg.rope_beta_fast), correction_dim(cfg.rope_beta_slow)
+    if cfg.rope_truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001  # no zero-width ramp
+    ramp = ((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1).to(pos_freqs.device)
+    extrapolation = 1 - ramp
+    interpolated = 1.0 / (cfg.rope_factor * pos_freqs)
+    return interpolated * (1 - extrapolation) + (1.0 / pos_freqs) * extrapolation
+
+
+def _yarn_attention_factor(cfg: DeepseekV3Config) -> float:
+    """The scale YaRN puts on cos and sin (Hugging Face's ``attention_factor``)."""
+    if cfg.rope_attention_factor is not None:
+        return cfg.rope_attention_factor
+    if cfg.rope_mscale and cfg.rope_mscale_all_dim:
+        return float(
+            yarn_mscale(cfg.rope_factor, cfg.rope_mscale) / yarn_mscale(cfg.rope_factor, cfg.rope_mscale_all_dim)
+        )
+    return yarn_mscale(cfg.rope_factor)
+
+
 def rope_cos_sin(cfg: DeepseekV3Config, seq_len: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    inv_freq = 1.0 / (
-        cfg.rope_theta ** (torch.arange(0, cfg.qk_rope_head_dim, 2, device=device).float() / cfg.qk_rope_head_dim)
+    pos_freqs = cfg.rope_theta ** (
+        torch.arange(0, cfg.qk_rope_head_dim, 2, device=device).float() / cfg.qk_rope_head_dim
     )
+    inv_freq = 1.0 / pos_freqs if cfg.rope_type == "default" else _yarn_inv_freq(cfg, pos_freqs)
     freqs = torch.outer(torch.arange(seq_len, device=device).float(), inv_freq)
-    return freqs.cos(), freqs.sin()
+    if cfg.rope_type == "default":
+        return freqs.cos(), freqs.sin()
+    scale = _yarn_attention_factor(cfg)
+    return freqs.cos() * scale, freqs.sin() * scale
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool) -> torch.Tensor:
@@ -121,6 +274,10 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleave
     else:
         x1, x2 = x.chunk(2, dim=-1)
     return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
+
+
+# Hugging Face builds q_a_layernorm and kv_a_layernorm with this eps, whatever rms_norm_eps says.
+LATENT_NORM_EPS = 1e-6
 
 
 class MLAttention(nn.Module):
@@ -134,13 +291,17 @@ class MLAttention(nn.Module):
             self.q_proj = nn.Linear(cfg.hidden_size, heads * cfg.qk_head_dim, bias=False)
         else:
             self.q_a_proj = nn.Linear(cfg.hidden_size, cfg.q_lora_rank, bias=bias)
-            self.q_a_layernorm = RMSNorm(cfg.q_lora_rank, cfg.rms_norm_eps)
+            self.q_a_layernorm = RMSNorm(cfg.q_lora_rank, LATENT_NORM_EPS)
             self.q_b_proj = nn.Linear(cfg.q_lora_rank, heads * cfg.qk_head_dim, bias=False)
         self.kv_a_proj_with_mqa = nn.Linear(cfg.hidden_size, cfg.kv_lora_rank + cfg.qk_rope_head_dim, bias=bias)
-        self.kv_a_layernorm = RMSNorm(cfg.kv_lora_rank, cfg.rms_norm_eps)
+        self.kv_a_layernorm = RMSNorm(cfg.kv_lora_rank, LATENT_NORM_EPS)
         self.kv_b_proj = nn.Linear(cfg.kv_lora_rank, heads * (cfg.qk_nope_head_dim + cfg.v_head_dim), bias=False)
         self.o_proj = nn.Linear(heads * cfg.v_head_dim, cfg.hidden_size, bias=bias)
         self.scaling = cfg.qk_head_dim**-0.5
+        if cfg.rope_type != "default" and cfg.rope_mscale_all_dim:
+            # DeepSeek-V3 scales the softmax by YaRN's mscale squared (Hugging Face's yarn_apply_mscale).
+            mscale = yarn_mscale(cfg.rope_factor, cfg.rope_mscale_all_dim)
+            self.scaling = self.scaling * mscale * mscale
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         cfg = self.cfg
@@ -166,14 +327,15 @@ class MLAttention(nn.Module):
 class MLP(nn.Module):
     """SwiGLU feed-forward, used for the dense layers and the shared experts."""
 
-    def __init__(self, hidden: int, inner: int) -> None:
+    def __init__(self, hidden: int, inner: int, act: str) -> None:
         super().__init__()
         self.gate_proj = nn.Linear(hidden, inner, bias=False)
         self.up_proj = nn.Linear(hidden, inner, bias=False)
         self.down_proj = nn.Linear(inner, hidden, bias=False)
+        self.act = ACTIVATIONS[act]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
 
 
 class TopkRouter(nn.Module):
@@ -220,13 +382,14 @@ class GroupedExperts(nn.Module):
         super().__init__()
         self.gate_up_proj = nn.Parameter(torch.empty(num_local, 2 * cfg.moe_intermediate_size, cfg.hidden_size))
         self.down_proj = nn.Parameter(torch.empty(num_local, cfg.hidden_size, cfg.moe_intermediate_size))
+        self.act = ACTIVATIONS[cfg.hidden_act]
 
     def forward(self, x: torch.Tensor, rows_per_expert: list[int]) -> torch.Tensor:
         """``x`` is sorted by local expert; one matmul pair per expert, so no atomics anywhere."""
         outs = []
         for e, part in enumerate(x.split(rows_per_expert)):
             gate, up = F.linear(part, self.gate_up_proj[e]).chunk(2, dim=-1)
-            outs.append(F.linear(F.silu(gate) * up, self.down_proj[e]))
+            outs.append(F.linear(self.act(gate) * up, self.down_proj[e]))
         return torch.cat(outs)
 
 
@@ -252,7 +415,7 @@ class MoE(nn.Module):
         self.forced_balanced = True
         self.gate = TopkRouter(cfg)
         self.experts = GroupedExperts(cfg, self.num_local)
-        self.shared_experts = MLP(cfg.hidden_size, cfg.moe_intermediate_size * cfg.n_shared_experts)
+        self.shared_experts = MLP(cfg.hidden_size, cfg.moe_intermediate_size * cfg.n_shared_experts, cfg.hidden_act)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         state = {"x": x, "buffer_set": 0}
@@ -337,7 +500,9 @@ class DecoderLayer(nn.Module):
         super().__init__()
         self.self_attn = MLAttention(cfg)
         self.mlp = (
-            MoE(cfg, ep_rank, ep_size) if cfg.is_moe_layer(layer) else MLP(cfg.hidden_size, cfg.intermediate_size)
+            MoE(cfg, ep_rank, ep_size)
+            if cfg.is_moe_layer(layer)
+            else MLP(cfg.hidden_size, cfg.intermediate_size, cfg.hidden_act)
         )
         if isinstance(self.mlp, MoE):
             self.mlp.layer_id = layer
@@ -373,7 +538,8 @@ class DeepseekV3Model(nn.Module):
     def __init__(self, cfg: DeepseekV3Config, ep_rank: int, ep_size: int) -> None:
         super().__init__()
         self.cfg = cfg
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        # The pad token's row gets no gradient from the lookup.
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size, padding_idx=cfg.pad_token_id)
         self.layers = nn.ModuleList(DecoderLayer(cfg, i, ep_rank, ep_size) for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
@@ -394,6 +560,8 @@ class DeepseekV3ForCausalLM(nn.Module):
         self.cfg, self.ep_rank, self.ep_size = cfg, ep_rank, ep_size
         self.model = DeepseekV3Model(cfg, ep_rank, ep_size)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        if cfg.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.lm_head(self.model(input_ids))
@@ -415,15 +583,22 @@ class DeepseekV3ForCausalLM(nn.Module):
         """Seeded initialisation of the *full* model's tensors, sliced to this rank's experts.
 
         Every logical rank draws the same full tensors, so any process layout starts identically.
+        As Hugging Face initialises, a tied ``lm_head`` is the embedding and the pad token's row is zero.
         """
         full = {}
         for name, shape in self.full_shapes().items():
             if name.endswith("layernorm.weight") or name.endswith("norm.weight"):
                 full[name] = torch.ones(shape)
             elif name.endswith("e_score_correction_bias"):
-                full[name] = torch.zeros(shape)
+                # Drawn only when asked, so that every other config's weights stay as they were.
+                bias = self.cfg.correction_bias_init
+                full[name] = torch.rand(shape, generator=generator) * bias if bias else torch.zeros(shape)
+            elif name == "lm_head.weight" and self.cfg.tie_word_embeddings:
+                full[name] = full["model.embed_tokens.weight"]
             else:
                 full[name] = torch.randn(shape, generator=generator) * self.cfg.initializer_range
+        if self.cfg.pad_token_id is not None:
+            full["model.embed_tokens.weight"][self.cfg.pad_token_id] = 0.0
         self.load_hf_state_dict(full)
 
     def full_shapes(self) -> dict[str, torch.Size]:
@@ -457,6 +632,8 @@ def causal_lm_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
 
 
 __all__ = [
+    "ACTIVATIONS",
+    "CONFIG_FIELDS",
     "CONFIGS",
     "DeepseekV3Config",
     "DeepseekV3ForCausalLM",

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 import torch
 
 from harness.reference.ep.exchange import EventSink, bind
-from harness.reference.train import GradSink, TrainConfig, Trainer, synthetic_batch
+from harness.reference.train import GradSink, TrainConfig, Trainer, UpdateSink, synthetic_batch
 from harness.reference.versioned import (
     CORRECTIONS,
     RETENTIONS,
@@ -80,9 +80,13 @@ class VersionedTrainer(Trainer):
     """
 
     def __init__(
-        self, config: PipelineConfig, event_sink: EventSink | None = None, grad_sink: GradSink | None = None
+        self,
+        config: PipelineConfig,
+        event_sink: EventSink | None = None,
+        grad_sink: GradSink | None = None,
+        update_sink: UpdateSink | None = None,
     ) -> None:
-        super().__init__(config, event_sink, grad_sink)
+        super().__init__(config, event_sink, grad_sink, update_sink)
         self.config: PipelineConfig = config
         self.engines = {
             r: VersionedModel(
@@ -170,8 +174,10 @@ class VersionedTrainer(Trainer):
         for loss in applied.losses:
             per_rank = self.group.all_gather(rank, loss.float().reshape(()))
             losses.append(float(torch.stack(per_rank).sum() / self.config.ep))
+        mean_loss = math.fsum(losses) / len(losses)
+        self._report_update(rank, self._updates, mean_loss, float(grad_norm))
         return {
-            "loss": math.fsum(losses) / len(losses),
+            "loss": mean_loss,
             "grad_norm": float(grad_norm),
             "revision": revision,
             "ages": applied.ages,

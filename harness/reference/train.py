@@ -16,8 +16,8 @@ import json
 import os
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
-from typing import Callable
+from dataclasses import dataclass, field
+from typing import Any, Callable
 
 import torch
 
@@ -35,7 +35,13 @@ from harness.reference.chunking.graph_step import FAULTS, GraphStep, build_graph
 from harness.reference.chunking.schedule import EPScheduler
 from harness.reference.ep.exchange import EventSink, TokenExchange, bind
 from harness.reference.ep.group import LogicalGroup
-from harness.reference.model import DeepseekV3ForCausalLM, MLAttention, causal_lm_loss, get_config
+from harness.reference.model import (
+    DeepseekV3Config,
+    DeepseekV3ForCausalLM,
+    MLAttention,
+    causal_lm_loss,
+    get_config,
+)
 
 ROUTINGS = ("forced-balanced", "learned")
 # "eager-traced" and "graph" run one traced train step (forward, loss, backward) per rank instead
@@ -52,7 +58,9 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 class TrainConfig:
     """Everything that defines one arm's training run."""
 
-    model: str = "cpu-tiny"
+    model: str = "cpu-tiny"  # a name in model.CONFIGS
+    # DeepseekV3Config fields replacing the named config's (a shrunk checkpoint config, --set model.X)
+    model_overrides: dict[str, Any] = field(default_factory=dict)
     ep: int = 2  # logical EP degree, also the data-parallel degree
     seed: int = 42
     routing: str = "forced-balanced"
@@ -91,9 +99,13 @@ class TrainConfig:
             raise ValueError(f"dtype must be one of {tuple(DTYPES)}, got {self.dtype!r}")
         if self.ep < 1 or self.chunks < 1 or self.num_buffer_sets < 1:
             raise ValueError("ep, chunks and num_buffer_sets must be >= 1")
-        n_experts = get_config(self.model).n_routed_experts
+        n_experts = self.model_config().n_routed_experts
         if n_experts % self.ep:
             raise ValueError(f"EP degree {self.ep} does not divide the {n_experts} routed experts of {self.model}")
+
+    def model_config(self) -> DeepseekV3Config:
+        """The model this arm trains: the named config with the overrides applied."""
+        return get_config(self.model, **self.model_overrides)
 
 
 def set_determinism(device: str) -> None:
@@ -116,13 +128,29 @@ def synthetic_batch(config: TrainConfig, vocab: int, step: int, rank: int) -> tu
     return tokens[:, :-1], tokens[:, 1:]
 
 
+@dataclass(frozen=True)
+class RankUpdate:
+    """One logical rank right after its optimizer step: its own view of the step's global loss and
+    grad norm, and its live parameters, by Hugging Face name. The replicated ones must be equal
+    on every logical rank; only a bug (or a lost update) makes one drift."""
+
+    loss: float
+    grad_norm: float
+    replicated: dict[str, torch.Tensor]
+    experts: dict[str, torch.Tensor]  # this rank's shard of the routed experts
+
+
+# Called with (logical rank, step, update) on that rank's thread once its optimizer step is done.
+UpdateSink = Callable[[int, int, RankUpdate], None]
+
+
 class _Replica:
     """One logical rank: its model (dense weights replicated, its own experts), optimizer, exchange."""
 
     def __init__(
         self, config: TrainConfig, group: LogicalGroup, rank: int, device: torch.device, sink: EventSink | None
     ) -> None:
-        cfg = get_config(config.model)
+        cfg = config.model_config()
         self.model = DeepseekV3ForCausalLM(cfg, ep_rank=rank, ep_size=config.ep)
         self.model.init_weights(torch.Generator().manual_seed(config.seed))
         self.model.set_forced_balanced(config.routing == "forced-balanced")
@@ -158,6 +186,9 @@ class _Replica:
         self.expert_params = self.model.expert_parameters()
         expert_ids = {id(p) for p in self.expert_params}
         self.dense_params = [p for p in self.model.parameters() if id(p) not in expert_ids]
+        named = dict(self.model.named_parameters())
+        self.named_dense = {n: p for n, p in named.items() if id(p) not in expert_ids}
+        self.named_experts = {n: p for n, p in named.items() if id(p) in expert_ids}
         self.params = list(self.model.parameters())
         self.buffers = list(self.model.buffers())
         self.optimizer = torch.optim.AdamW(self.params, lr=config.lr, foreach=False)
@@ -167,15 +198,20 @@ class Trainer:
     """Drives the logical EP ranks of this process through training steps."""
 
     def __init__(
-        self, config: TrainConfig, event_sink: EventSink | None = None, grad_sink: GradSink | None = None
+        self,
+        config: TrainConfig,
+        event_sink: EventSink | None = None,
+        grad_sink: GradSink | None = None,
+        update_sink: UpdateSink | None = None,
     ) -> None:
         set_determinism(config.device)
         self.config = config
         self.grad_sink = grad_sink
+        self.update_sink = update_sink
         self.group = LogicalGroup(config.ep)
         self.logical_ranks = self.group.local_ranks
         self.device = self._device()
-        self.cfg = get_config(config.model)
+        self.cfg = config.model_config()
         self.replicas = {r: _Replica(config, self.group, r, self.device, event_sink) for r in self.logical_ranks}
         self.moe_layers = self.replicas[self.logical_ranks[0]].model.moe_layers
         self.graph_step = self._build_graph_step() if config.chunking in TRACED else None
@@ -265,8 +301,14 @@ class Trainer:
         replica.optimizer.step()
         replica.optimizer.zero_grad(set_to_none=True)
         losses = self.group.all_gather(rank, loss.detach().float().reshape(()))
-        global_loss = torch.stack(losses).sum() / self.config.ep
-        return float(global_loss), float(grad_norm)
+        global_loss = float(torch.stack(losses).sum() / self.config.ep)
+        self._report_update(rank, step, global_loss, float(grad_norm))
+        return global_loss, float(grad_norm)
+
+    def _report_update(self, rank: int, step: int, loss: float, grad_norm: float) -> None:
+        if self.update_sink is not None:
+            replica = self.replicas[rank]
+            self.update_sink(rank, step, RankUpdate(loss, grad_norm, replica.named_dense, replica.named_experts))
 
     def _sum_dense_grads(self, rank: int, replica: _Replica) -> None:
         flat = torch.cat([p.grad.flatten() for p in replica.dense_params])

@@ -108,6 +108,17 @@ def _plot(metric: str, metrics: dict[str, pd.DataFrame], golden: dict[str, pd.Da
     return base64.b64encode(buf.getvalue()).decode("ascii")
 
 
+def _localisations(metric: str, checks: list[dict]) -> list[tuple[str, str]]:
+    """(check name, where its arms' gradients first differ) for each failed comparison of this metric."""
+    return [
+        (c["name"], c["extra"]["first_gradient_divergence"]["summary"])
+        for c in checks
+        if c.get("status") == "fail"
+        and c.get("name", "").endswith(f": {metric}")
+        and "first_gradient_divergence" in (c.get("extra") or {})
+    ]
+
+
 def _cell(value: object) -> str:
     """Exact text for floats (repr round-trips), so a reviewer sees the same digits the check saw."""
     if isinstance(value, float):
@@ -158,7 +169,7 @@ def write_html(
         summary=summary,
         checks=checks,
         counts=counts,
-        plots=[(name, _plot(name, metrics, golden)) for name in names],
+        plots=[(name, _plot(name, metrics, golden), _localisations(name, checks)) for name in names],
         headers=headers,
         rows=rows,
         manifest=json.dumps(manifest, indent=2, default=str) if manifest is not None else None,

@@ -95,7 +95,8 @@ class TokenExchange:
         self.step = 0
         self._seq = 0
 
-    def _emit(self, op_name: str, op: str, buffer_set: int, rows: int) -> None:
+    def _emit(self, op_name: str, op: str, buffer_set: int, rows: int, **counts: list[int]) -> None:
+        """Records one event; a launch adds its rows per destination rank sent and per source rank received."""
         if self.event_sink is None:
             return
         where = current_region()
@@ -110,6 +111,7 @@ class TokenExchange:
             "buffer_set": buffer_set,
             "seq": self._seq,
             "rows": rows,
+            **counts,
         }
         self._seq += 1
         self.event_sink(self.rank, event)
@@ -134,7 +136,7 @@ class TokenExchange:
             raise ValueError(f"buffer_set {buffer_set} outside the {self.num_buffer_sets} preallocated sets")
         key = (POOL_OF[op_name], buffer_set)
         pool = self.pools[key]
-        recv = recv_counts.tolist()
+        send, recv = send_counts.tolist(), recv_counts.tolist()
         rows = sum(recv)
         if rows != recv_rows:
             raise RuntimeError(f"{op_name}: the counts say {rows} rows arrive, the caller expects {recv_rows}")
@@ -143,8 +145,8 @@ class TokenExchange:
         earlier = self._in_flight.get(key)
         if earlier is not None:
             earlier.wait()  # writes to one pool land in launch order: a reuse overwrites, predictably
-        self._in_flight[key] = self.group.all_to_all(self.rank, x.contiguous(), send_counts.tolist(), recv, pool)
-        self._emit(op_name, "launch", buffer_set, rows)
+        self._in_flight[key] = self.group.all_to_all(self.rank, x.contiguous(), send, recv, pool)
+        self._emit(op_name, "launch", buffer_set, rows, send_counts=send, recv_counts=recv)
         return x.new_empty((rows, x.shape[-1]))
 
     def wait(self, op_name: str, pending: torch.Tensor, buffer_set: int) -> torch.Tensor:

@@ -1,0 +1,240 @@
+"""The `fidelity` suite: the reference trained in lockstep with Hugging Face transformers.
+
+End to end, on real gloo ranks: the shipped suite passes, and numerics bugs planted in the
+reference's shared code, which forced-balanced suites cannot see, fail it naming the parameter.
+The check itself is exercised on records written here: absent, short, malformed or diverging
+records never pass.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import math
+import re
+from pathlib import Path
+
+import pytest
+
+from harness.checks.fidelity import judge
+from harness.records import read_jsonl
+from harness.suites import SuiteError, load_suite
+
+# Suites with an oracle arm load only where transformers is installed (the `fidelity` extra).
+needs_transformers = pytest.mark.skipif(importlib.util.find_spec("transformers") is None, reason="no transformers")
+
+TIERS = {"max_rel_err": 1e-5, "weight_max_rel_err": 1e-3}
+PARAMS = ("model.embed_tokens.weight", "model.layers.1.mlp.experts.down_proj")
+
+
+def line(step: int, **errors: float) -> dict:
+    """A fidelity record whose relative errors are ``errors`` (``<param index>_<grad|weight>``, loss, grad_norm)."""
+    params = {
+        name: {
+            "grad_abs_diff": errors.get(f"p{i}_grad", 0.0),
+            "grad_hf_max": 1.0,
+            "weight_abs_diff": errors.get(f"p{i}_weight", 0.0),
+            "weight_hf_max": 1.0,
+        }
+        for i, name in enumerate(PARAMS)
+    }
+    return {
+        "step": step,
+        "loss": 5.0 * (1 + errors.get("loss", 0.0)),
+        "hf_loss": 5.0,
+        "grad_norm": 1.0,
+        "hf_grad_norm": 1.0,
+        "params": params,
+    }
+
+
+def test_records_within_the_tiers_pass_and_name_the_largest_errors() -> None:
+    result = judge("a: fidelity", [line(1, p1_grad=2e-6), line(2, p0_weight=4e-4)], 2, TIERS)
+    assert result.status == "pass", result.detail
+    assert "2 parameters" in result.detail and f"{PARAMS[1]} grad 2.0e-06" in result.detail
+    assert f"{PARAMS[0]} weight 4.0e-04" in result.detail
+
+
+def test_a_diverging_gradient_fails_naming_the_first_step_and_the_parameter() -> None:
+    lines = [line(1), line(2, p1_grad=3e-2, p0_grad=2e-5), line(3, loss=1.0)]
+    result = judge("a: fidelity", lines, 3, TIERS)
+    assert result.status == "fail" and result.first_divergent_step == 2
+    assert result.detail == (
+        f"step 2: {PARAMS[1]} grad rel err 3.0e-02 > 1e-05; {PARAMS[0]} grad rel err 2.0e-05 > 1e-05"
+    )
+
+
+def test_weights_are_judged_at_their_own_tier() -> None:
+    assert judge("a", [line(1, p0_weight=5e-4)], 1, TIERS).status == "pass"
+    result = judge("a", [line(1, p0_weight=2e-3)], 1, TIERS)
+    assert result.detail == f"step 1: {PARAMS[0]} weight rel err 2.0e-03 > 0.001"
+
+
+@pytest.mark.parametrize(
+    ("lines", "expected"),
+    [
+        ([], "no fidelity records (fidelity.jsonl missing or empty): nothing compared"),
+        ([line(1)], "recorded steps [1], expected 1-2: the steps missing were not compared"),
+        ([line(1), line(1)], "recorded steps [1, 1], expected 1-2: the steps missing were not compared"),
+        ([line(1), {**line(2), "params": {PARAMS[0]: line(2)["params"][PARAMS[0]]}}], f"no record of {PARAMS[1]}"),
+        ([line(1), {**line(2), "hf_loss": None}], "step 2: record has no number 'hf_loss'"),
+        ([{**line(1), "params": {}}, line(2)], "step 1: record has no parameters"),
+    ],
+)
+def test_absent_short_or_malformed_records_fail(lines: list[dict], expected: str) -> None:
+    result = judge("a: fidelity", lines, 2, TIERS)
+    assert result.status == "fail" and expected in result.detail, result.detail
+
+
+def test_nan_and_a_difference_against_an_all_zero_tensor_fail() -> None:
+    assert judge("a", [line(1, p0_grad=math.nan)], 1, TIERS).detail.startswith(f"step 1: {PARAMS[0]} grad rel err nan")
+    zero = line(1, p1_grad=1e-9)
+    zero["params"][PARAMS[1]]["grad_hf_max"] = 0.0
+    assert judge("a", [zero], 1, TIERS).detail == f"step 1: {PARAMS[1]} grad rel err inf > 1e-05"
+
+
+SUITE = """
+name = "mini"
+description = "oracle arms"
+ranks = 2
+steps = 2
+[model]
+config = "cpu-tiny-learned"
+[train]
+routing = "learned"
+[arms.hf]
+oracle = "hf"
+[arms.plain]
+"""
+
+
+def _error(tmp_path: Path, text: str) -> str:
+    path = tmp_path / "suite.toml"
+    path.write_text(text)
+    with pytest.raises(SuiteError) as info:
+        load_suite(str(path))
+    return str(info.value).replace(str(path), "FILE")
+
+
+@needs_transformers
+@pytest.mark.parametrize(
+    ("extra", "expected"),
+    [
+        ('[[checks]]\nkind = "fidelity"\narms = ["plain"]', 'checks.0.arms.0: arm "plain" trains against no oracle'),
+        ('[[checks]]\nkind = "fidelity"\nmax_rel_err = 0', "checks.0.max_rel_err: expected a relative error > 0"),
+        ('[[checks]]\nkind = "fidelity"\n[arms.hf2]\noracle = "hf"\nrouting = "forced-balanced"',
+         'arms.hf2.oracle: needs routing = "learned": Hugging Face has no forced-balanced routing'),
+        ('[[checks]]\nkind = "fidelity"\n[arms.hf2]\noracle = "hf"\ndelay = 1',
+         "arms.hf2.oracle: needs a plain arm: the oracle has no delayed pipeline"),
+        ('[[checks]]\nkind = "fidelity"\n[arms.hf2]\noracle = "jax"', "arms.hf2.oracle: expected one of hf"),
+        ('[[checks]]\nkind = "fidelity"\n[arms.hf2]\nmodel = "cpu-huge"', "arms.hf2.model: expected one of"),
+    ],
+)  # fmt: skip
+def test_fidelity_suite_mistakes_are_one_line_naming_the_field(tmp_path: Path, extra: str, expected: str) -> None:
+    message = _error(tmp_path, SUITE + extra)
+    assert expected in message and "\n" not in message, message
+
+
+@needs_transformers
+def test_without_an_oracle_arm_the_check_is_refused(tmp_path: Path) -> None:
+    text = SUITE.replace('oracle = "hf"\n', "") + '[[checks]]\nkind = "fidelity"'
+    assert _error(tmp_path, text) == 'FILE: checks.0: needs an arm with an oracle (oracle = "hf"); the suite has none'
+
+
+@needs_transformers
+def test_shipped_suite_covers_q_lora_on_and_off_with_learned_routing_and_both_ep_layouts() -> None:
+    suite = load_suite("fidelity", [("--ranks", "ranks=2")])
+    arms = suite.arms
+    assert {arm.oracle for arm in arms.values()} == {"hf"}
+    assert {(arm.ranks, arm.ep) for arm in arms.values()} == {(2, 2), (1, 2)}
+    assert {arm.train["model"] for arm in arms.values()} == {"cpu-tiny-learned", "cpu-tiny-learned-no-q-lora"}
+    assert all(arm.train["routing"] == "learned" and arm.train["chunking"] == "eager" for arm in arms.values())
+
+
+def _fidelity(run, out: Path) -> dict[str, dict]:
+    return {c["name"]: c for c in run.summary(out)["checks"] if c["kind"] == "fidelity"}
+
+
+@needs_transformers
+def test_the_suite_passes_against_transformers(run_harness, tmp_path: Path) -> None:
+    out = tmp_path / "run"
+    run = run_harness("run", "fidelity", "--ranks", 2, "--out", out, timeout=600)
+    assert run.returncode == 0, run.stdout + run.stderr
+    checks = _fidelity(run, out)
+    assert set(checks) == {"q-lora: fidelity", "no-q-lora: fidelity"}
+    assert all(c["status"] == "pass" for c in checks.values()), checks
+    for arm, params in (("q-lora", 45), ("no-q-lora", 39)):
+        lines = read_jsonl(out / "arms" / arm / "fidelity.jsonl")
+        assert [r["step"] for r in lines] == [1, 2, 3, 4, 5]
+        assert all(len(r["params"]) == params for r in lines)
+        # The recorded losses are the reference arm's own metrics, untouched by the oracle.
+        metrics = read_jsonl(out / "arms" / arm / "metrics.jsonl")
+        assert [r["loss"] for r in lines] == [m["loss"] for m in metrics]
+
+
+REPO = Path(__file__).resolve().parent.parent
+# Prepended to each bug: sitecustomize runs before the interpreter puts the working directory on
+# sys.path, so it names the harness under test itself.
+FIND_HARNESS = f"import sys\n\nsys.path.insert(0, {str(REPO)!r})\n"
+
+UNSCALED_ROUTING = """
+import harness.reference.model as model
+
+_route = model.TopkRouter.forward
+
+
+def route_without_scaling(self, x, forced_balanced):
+    ids, weights = _route(self, x, forced_balanced)
+    return ids, weights / self.cfg.routed_scaling_factor
+
+
+model.TopkRouter.forward = route_without_scaling
+"""
+
+CHOICE_WITHOUT_BIAS = """
+import harness.reference.model as model
+
+_choose = model.TopkRouter._group_limited_topk
+
+
+def choose_ignoring_the_bias(self, scores):
+    return _choose(self, scores - self.e_score_correction_bias)
+
+
+model.TopkRouter._group_limited_topk = choose_ignoring_the_bias
+"""
+
+
+@needs_transformers
+@pytest.mark.parametrize(
+    ("bug", "parameter"),
+    [(UNSCALED_ROUTING, ".mlp.experts."), (CHOICE_WITHOUT_BIAS, ".mlp.experts.")],
+    ids=["routed-scaling-factor-not-applied", "expert-choice-ignores-correction-bias"],
+)
+def test_routing_bugs_planted_in_the_reference_fail_naming_the_parameter(
+    run_harness, tmp_path: Path, bug: str, parameter: str
+) -> None:
+    (tmp_path / "bug").mkdir()
+    (tmp_path / "bug" / "sitecustomize.py").write_text(FIND_HARNESS + bug)  # loaded by every rank at start-up
+    out = tmp_path / "run"
+    run = run_harness(
+        "run", "fidelity", "--ranks", 2, "--steps", 2, "--out", out, env={"PYTHONPATH": tmp_path / "bug"}, timeout=600
+    )
+    assert run.returncode == 1, run.stdout + run.stderr
+    for name, check in _fidelity(run, out).items():
+        assert check["status"] == "fail" and check["first_divergent_step"] == 1, check
+        assert re.match(r"step 1: (loss|model\.\S+ (grad|weight)) rel err \S+ > 1e-05", check["detail"]), check
+        assert parameter in check["detail"], check["detail"]
+        assert f"FAIL  {name}" in run.stdout
+
+
+def test_without_transformers_the_suite_is_refused_with_the_install_hint(run_harness, tmp_path: Path) -> None:
+    (tmp_path / "hide").mkdir()
+    (tmp_path / "hide" / "sitecustomize.py").write_text("import sys\n\nsys.modules['transformers'] = None\n")
+    out = tmp_path / "run"
+    run = run_harness("run", "fidelity", "--out", out, env={"PYTHONPATH": tmp_path / "hide"})
+    assert run.returncode == 2, run.stdout + run.stderr
+    assert run.stderr == (
+        "error: suites/fidelity.toml: arms.q-lora.oracle: needs transformers, which is not installed:"
+        " pip install 'harness[fidelity]'\n"
+    )
+    assert not out.exists()
