@@ -135,7 +135,7 @@ class ArmRecords:
     ranks: dict[int, list[dict]] = field(default_factory=dict)  # logical rank -> its loss, grad norm, hashes
     digests: list[dict] = field(default_factory=list)  # logical rank 0's gradient and parameter digests
     moe_layers: list[int] | None = None  # None: arm.json missing or without them
-    graph_checks: list[dict] = field(default_factory=list)  # static checks of a traced arm's graph
+    graph: dict | None = None  # graph.json of a traced arm: its scheduled exchange ops; None if absent
     cpu_capability: str | None = None  # the ISA ATen dispatched to in the arm's ranks
     final_weights: dict[int, dict] = field(default_factory=dict)  # logical rank -> digests after the last update
     fidelity: list[dict] = field(default_factory=list)  # an oracle arm's fidelity.jsonl, one line per step
@@ -160,8 +160,9 @@ def read_arm(run_dir: Path, arm: str, logical_ranks: int) -> ArmRecords:
         if (arm_dir / "arm.json").is_file():
             arm_info = json.loads((arm_dir / "arm.json").read_text())
             records.moe_layers = arm_info.get("moe_layers")
-            records.graph_checks = arm_info.get("graph_checks", [])
             records.cpu_capability = arm_info.get("cpu_capability")
+        if (arm_dir / "graph.json").is_file():
+            records.graph = json.loads((arm_dir / "graph.json").read_text())
         if (arm_dir / "fidelity.jsonl").is_file():
             records.fidelity = read_jsonl(arm_dir / "fidelity.jsonl")
         for logical_rank in range(logical_ranks):

@@ -1,7 +1,8 @@
 """One rank of a launch group: ``python -m harness.worker RUN_DIR GROUP``, started by launch.py.
 
 Runs each arm of the group in turn, re-seeded identically, and streams what the parent
-compares: ``arms/<arm>/metrics.jsonl`` and ``digests.jsonl`` (process rank 0, for logical rank 0),
+judges: ``arms/<arm>/metrics.jsonl`` and ``digests.jsonl`` (process rank 0, for logical rank 0),
+``arm.json`` and, for a traced arm, ``graph.json`` (its scheduled exchange ops; process rank 0),
 and ``events.rank<k>.jsonl`` and ``ranks.rank<k>.jsonl`` (the process hosting logical rank k; see
 :mod:`harness.digests`). Every line is flushed, so a crash leaves every finished step on disk.
 After the arm's last update, the process hosting each logical rank of a reference trainer writes
@@ -224,10 +225,11 @@ def run_arm(run_dir: Path, arm: str, spec: dict[str, Any], steps: int, debug: di
                 {
                     "moe_layers": list(trainer.moe_layers),
                     "train": train,
-                    "graph_checks": trainer.graph_checks,
                     "cpu_capability": torch.backends.cpu.get_cpu_capability().lower(),
                 },
             )
+            if trainer.graph_export is not None:
+                write_json_atomic(arm_dir / "graph.json", trainer.graph_export)
         updates_done = 0
         for result in updates(trainer, steps, lambda step: _inject_fault(debug, arm, step, rank)):
             updates_done += 1

@@ -52,17 +52,6 @@ def test_token_exchange_fails_an_arm_without_recorded_moe_layers(tmp_path: Path)
     assert {r.status for r in eager} == {"fail"} and "no token-exchange events recorded" in eager[0].detail
 
 
-def test_a_traced_arm_without_recorded_graph_checks_fails(tmp_path: Path) -> None:
-    suite = _suite(tmp_path)
-    [missing] = run_check(suite.checks[1], suite, {arm: ArmRecords() for arm in suite.arms})
-    assert missing.status == "fail" and "no static graph checks" in missing.detail
-    recorded = ArmRecords(
-        graph_checks=[{"name": "graph:chunk-order", "status": "fail", "detail": "d", "problems": ["p"]}]
-    )
-    results = run_check(suite.checks[1], suite, {"eager": ArmRecords(), "graph": recorded})
-    assert [(r.name, r.status) for r in results] == [("graph: graph:chunk-order", "fail")]
-
-
 def test_unreadable_records_are_an_error_not_a_skip(tmp_path: Path) -> None:
     suite = _suite(tmp_path)
     records = {arm: ArmRecords(error=f"unreadable records of arm '{arm}': bad line") for arm in suite.arms}

@@ -1,11 +1,15 @@
 """The `parity` suite end to end: graph chunking matches eager chunking, and each planted graph
-bug is caught by a check that names it (exit 1), on real 2-rank gloo runs."""
+bug is caught by a check that names it (exit 1), on real 2-rank gloo runs; bugs planted through a
+sitecustomize module (loaded by every rank at start-up) are judged by the harness, not the reference."""
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
+
+REPO = Path(__file__).resolve().parent.parent
 
 
 def failing(run, out: Path) -> set[str]:
@@ -24,7 +28,7 @@ def test_parity_passes_with_golden_and_four_chunks(run_harness, tmp_path: Path) 
     names = {c["name"]: c["status"] for c in run.summary(out)["checks"]}
     assert names["eager vs graph: loss"] == names["eager-traced vs graph: events"] == "pass"
     assert names["golden:graph:grad_norm"] == "pass"
-    assert names["graph: graph:buffer-set-pass"] == "pass"
+    assert names["graph: graph:buffer-sets"] == names["graph: overlap"] == names["eager: overlap"] == "pass"
 
     out = tmp_path / "four"
     run = run_harness("run", "parity", "--ranks", 2, "--steps", 2, "--set", "chunks=4", "--golden", "off", "--out", out)
@@ -41,7 +45,7 @@ def test_parity_passes_with_golden_and_four_chunks(run_harness, tmp_path: Path) 
         ),
         ("drop-wait", {"graph: graph:launch-wait-pairs", "graph: token-exchange:launch-wait-pairing"}),
         ("forward-order-backward", {"graph: graph:chunk-order", "eager-traced vs graph: events"}),
-        ("clone-forward-only", {"graph: graph:buffer-set-pass", "graph: token-exchange:expected-counts"}),
+        ("clone-forward-only", {"graph: graph:exchange-counts", "graph: token-exchange:expected-counts"}),
     ],
 )
 def test_planted_graph_bug_fails_the_check_that_names_it(
@@ -65,3 +69,72 @@ def test_planted_graph_bug_fails_the_check_that_names_it(
     assert run.returncode == 1, run.stdout + run.stderr
     assert caught_by <= failing(run, out)
     assert run.summary(out)["verdict"] == "fail"
+
+
+def run_parity_with(run_harness, tmp_path: Path, bug: str) -> tuple:
+    """One step of parity with ``bug`` planted in every rank; the run and its directory.
+
+    The repository goes on PYTHONPATH too: sitecustomize runs before ``python -m`` puts the
+    working directory on sys.path, and it imports the reference to patch it."""
+    (tmp_path / "bug").mkdir()
+    (tmp_path / "bug" / "sitecustomize.py").write_text(bug)
+    out = tmp_path / "run"
+    args = ("run", "parity", "--ranks", 2, "--steps", 1, "--golden", "off", "--out", out)
+    return run_harness(*args, env={"PYTHONPATH": os.pathsep.join(map(str, (tmp_path / "bug", REPO)))}), out
+
+
+SELF_CERTIFIED_BUFFER_SETS = """
+import harness.reference.chunking.graph as graph
+import harness.reference.chunking.graph_step as graph_step
+from harness.reference.chunking.checks import GraphCheck
+
+
+def one_buffer_set(gm, num_buffer_sets):
+    return graph.assign_buffer_sets(gm, 1)  # every chunk on buffer set 0
+
+
+def certified(*args, **kwargs):
+    return GraphCheck("graph:buffer-sets", "pass", "certified by the system under test")
+
+
+graph_step.assign_buffer_sets = one_buffer_set
+graph_step.check_buffer_sets = certified
+"""
+
+
+def test_repeated_buffer_sets_fail_the_harness_graph_check_though_the_reference_certifies_them(
+    run_harness, tmp_path: Path
+) -> None:
+    run, out = run_parity_with(run_harness, tmp_path, SELF_CERTIFIED_BUFFER_SETS)
+    assert run.returncode == 1, run.stdout + run.stderr
+    buffer_sets = run.check(out, "graph: graph:buffer-sets")
+    assert buffer_sets["status"] == "fail"
+    assert "of chunk 1 uses buffer set 0, expected 1" in buffer_sets["detail"], buffer_sets
+    assert any("launches into dispatch buffer set 0 while" in p for p in buffer_sets["extra"]["problems"])
+    assert run.check(out, "eager-traced: graph:buffer-sets")["status"] == "pass"  # no buffer-set pass there
+    assert "graph: graph:buffer-sets" in run.stdout
+
+
+ONE_CHUNK_AT_A_TIME = """
+import harness.reference.chunking.schedule as schedule
+
+
+def one_chunk_at_a_time(self, kinds_per_chunk, backward=False):
+    visit = list(range(len(kinds_per_chunk)))
+    if backward and self.reverse_backward:
+        visit.reverse()
+    return [(chunk, index) for chunk in visit for index in range(len(kinds_per_chunk[chunk]))]
+
+
+schedule.EPScheduler.order = one_chunk_at_a_time
+"""
+
+
+def test_a_scheduler_that_stops_overlapping_fails_only_the_overlap_check(run_harness, tmp_path: Path) -> None:
+    """Chunk 1 launches only once chunk 0's exchanges have landed: same numbers, same exchanges."""
+    run, out = run_parity_with(run_harness, tmp_path, ONE_CHUNK_AT_A_TIME)
+    assert run.returncode == 1, run.stdout + run.stderr
+    assert failing(run, out) == {"eager: overlap", "eager-traced: overlap", "graph: overlap"}
+    graph = run.check(out, "graph: overlap")
+    assert graph["detail"].startswith("0 of 4 graph regions overlap (0%); model.layers.1.mlp fwd: chunk 0 waits")
+    assert run.check(out, "eager: overlap")["extra"]["fraction"] == 0.0

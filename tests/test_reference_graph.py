@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import json
 from collections import Counter, defaultdict
 from dataclasses import replace
 
@@ -11,6 +12,13 @@ import torch
 from distributed import run_on_ranks
 
 from harness.checks.exchange import check_planned_exchanges, training_plan
+from harness.checks.graph import (
+    check_buffer_sets,
+    check_chunk_order,
+    check_exchange_counts,
+    check_launch_wait_pairs,
+    read_graph,
+)
 from harness.reference.chunking.checks import exchange_inventory
 from harness.reference.chunking.graph import ChunkingError, buffer_set_of, chunk_regions
 from harness.reference.chunking.graph_step import MARKERS, ROOT_PATTERNS, GraphStep, compile_graph_step
@@ -145,6 +153,28 @@ def test_chunk_pass_rejects_a_root_pattern_without_token_exchanges(traced) -> No
 )
 def test_each_fault_fails_a_named_static_check(traced, model, fault: str, caught_by: set[str]) -> None:
     assert failing(compiled(traced, model, fault=fault)) == caught_by
+
+
+@pytest.mark.parametrize(
+    "fault,caught_by",
+    [
+        ("none", set()),
+        ("skip-buffer-pass", {"graph:buffer-sets"}),
+        ("drop-wait", {"graph:launch-wait-pairs", "graph:exchange-counts", "graph:buffer-sets"}),
+        ("forward-order-backward", {"graph:chunk-order"}),
+        ("clone-forward-only", {"graph:exchange-counts", "graph:buffer-sets"}),
+    ],
+)
+def test_the_exported_graph_of_each_fault_fails_the_harness_checks(traced, model, fault: str, caught_by) -> None:
+    """The reference's graph.json data, judged by the harness without the reference's verdicts."""
+    nodes = read_graph(json.loads(json.dumps(compiled(traced, model, fault=fault).exported)))
+    results = [
+        check_exchange_counts(nodes, roots=MOE_ROOTS, chunks=2),
+        check_launch_wait_pairs(nodes),
+        check_buffer_sets(nodes, num_buffer_sets=2),
+        check_chunk_order(nodes),
+    ]
+    assert {r.name for r in results if r.status == "fail"} == caught_by, [r.detail for r in results]
 
 
 def trajectory(config: TrainConfig, steps: int, graph_step: GraphStep | None = None) -> dict:

@@ -5,7 +5,9 @@
 * :mod:`~harness.checks.exchange`: token-exchange invariants on the launch/wait events, and the
   same event sequence in two arms;
 * :mod:`~harness.checks.versioned`: the version protocol of a delayed pipeline on its updates;
-* :mod:`~harness.checks.graph`: static checks of a traced arm's graph;
+* :mod:`~harness.checks.graph`: static checks of the graph a traced arm exported;
+* :mod:`~harness.checks.overlap`: that chunked exchanges really overlap, from a traced arm's graph
+  or an eager arm's events;
 * :mod:`~harness.checks.fidelity`: an oracle arm's lockstep records against Hugging Face;
 * :mod:`~harness.checks.ranks`: every logical rank of an arm agrees on the step and its replicas;
 * :mod:`~harness.checks.routing`: send counts of every exchange match the receive counts;
@@ -16,6 +18,7 @@ from harness.checks import (  # noqa: F401  (they register)
     exchange,
     fidelity,
     graph,
+    overlap,
     pairs,
     ranks,
     routing,

@@ -51,7 +51,7 @@ def _exchange(e: Event) -> tuple:
     return e["step"], e["phase"], e["layer"], e["chunk"], e["kind"], e["buffer_set"]
 
 
-def _malformed(events: list[Event]) -> str | None:
+def malformed_events(events: list[Event]) -> str | None:
     """Why the event list cannot be checked (a missing field, a bad value, out of order), or None."""
     last_seq = None
     for i, e in enumerate(events):
@@ -75,7 +75,7 @@ def _error(name: str, reason: str) -> CheckResult:
 
 def check_launch_wait_pairing(events: list[Event]) -> CheckResult:
     """Every launch is waited exactly once, after it, on the same exchange and buffer set."""
-    if reason := _malformed(events):
+    if reason := malformed_events(events):
         return _error(PAIRING, reason)
     pending: dict[tuple, list[int]] = defaultdict(list)
     found: list[tuple[int, int, str]] = []  # (event index, step, message)
@@ -95,7 +95,7 @@ def check_launch_wait_pairing(events: list[Event]) -> CheckResult:
 
 def check_buffer_reuse(events: list[Event]) -> CheckResult:
     """No launch on a (kind, buffer set) while an earlier exchange on it is still unwaited."""
-    if reason := _malformed(events):
+    if reason := malformed_events(events):
         return _error(BUFFER_REUSE, reason)
     in_flight: dict[tuple, list[int]] = defaultdict(list)  # (kind, buffer_set) -> launch indices
     problems: list[Problem] = []
@@ -170,7 +170,7 @@ def delayed_oracle_plan(batches: int, delay: int, *, always_correct: bool) -> Pl
 
 def check_planned_counts(events: list[Event], *, plan: Plan, moe_layers: list[int], chunks: int) -> CheckResult:
     """``plan[step, phase]`` dispatch and combine launches per (step, phase, MoE layer, chunk), nothing else."""
-    if reason := _malformed(events):
+    if reason := malformed_events(events):
         return _error(COUNTS, reason)
     expected = Counter(
         {
@@ -203,7 +203,7 @@ def check_planned_counts(events: list[Event], *, plan: Plan, moe_layers: list[in
 
 def check_chunk_signatures(events: list[Event]) -> CheckResult:
     """Within each (step, phase, layer) every chunk issues the same (kind, op, rows) sequence."""
-    if reason := _malformed(events):
+    if reason := malformed_events(events):
         return _error(CHUNK_SIGNATURES, reason)
     groups: dict[tuple, dict[int, list[tuple]]] = defaultdict(lambda: defaultdict(list))
     for e in events:
@@ -237,7 +237,7 @@ def check_same_event_sequence(
 ) -> CheckResult:
     """Two arms (eager vs graph chunking) issue identical exchanges in identical order; seq may be offset."""
     for label, events in ((label_a, events_a), (label_b, events_b)):
-        if reason := _malformed(events):
+        if reason := malformed_events(events):
             return CheckResult(SAME_SEQUENCE, SAME_SEQUENCE, "error", f"malformed events in arm '{label}': {reason}")
     if not events_a and not events_b:
         return CheckResult(SAME_SEQUENCE, SAME_SEQUENCE, "fail", f"no events in arm '{label_a}' or arm '{label_b}'")

@@ -1,53 +1,266 @@
-"""Static checks of a traced arm's train-step graph (kind ``graph-invariants``): exchange counts,
-launch/wait pairs, buffer sets and chunk order, as the arm recorded them in ``arm.json``."""
+"""Static checks of a traced arm's scheduled graph, judged from the ``graph.json`` the arm exported.
+
+A traced arm (chunking ``eager-traced`` or ``graph``) writes its token-exchange launch and wait
+nodes as plain data (see ``harness.reference.chunking.checks.export_exchange_graph``): per node its
+position in the scheduled graph, op, role, receive pool, ``buffer_set`` argument, chunk, region
+(chunk root) and phase, and who reads it. The reference checks its graph too, but a buggy system
+under test could certify itself; these checks read only the exported facts, and derive what the
+graph must contain from the arm's train config and the MoE layers in its ``arm.json``:
+
+* ``graph:exchange-counts``: each root exchanges once per direction and chunk, no more, no less
+  (a region cloned only partly, a wait dropped);
+* ``graph:launch-wait-pairs``: every launch read by exactly one wait, placed after it, and every
+  wait reading a launch (a lost wait reads a buffer nobody filled);
+* ``graph:buffer-sets``: chunk c exchanges on buffer set ``c % num_buffer_sets``, consecutive chunks
+  alternate, and no launch reuses a (pool, buffer set) another exchange still has in flight;
+* ``graph:chunk-order``: forward chunks start in order 0..C-1, backward chunks C-1..0.
+
+No graph.json, or one without exchange ops, fails: nothing passes on absent data.
+"""
 
 from __future__ import annotations
 
-from harness.checks.registry import CheckFamily, SuiteReader, register
+import dataclasses
+from collections import Counter, defaultdict
+from dataclasses import dataclass
+from typing import Any
+
+from harness.checks.registry import CheckFamily, SuiteReader, problems_result, qualifying_arms, register
 from harness.compare import CheckResult
 from harness.records import ArmRecords
 from harness.reference.train import TRACED
 from harness.specs import ArmSpec, CheckSpec, SuiteSpec
 
 KIND = "graph-invariants"
+COUNTS = "graph:exchange-counts"
+PAIRS = "graph:launch-wait-pairs"
+BUFFER_SETS = "graph:buffer-sets"
+CHUNK_ORDER = "graph:chunk-order"
+# The chunk roots the reference's chunk_roots names, by MoE layer (Hugging Face module names).
+ROOT_NAMES = {"moe": "model.layers.{layer}.mlp", "block": "model.layers.{layer}"}
+# What one MoE layer exchanges per chunk and direction: backward reverses each forward exchange.
+EXPECTED_PER_ROOT = {
+    "fwd": {"dispatch": 1, "wait_dispatch": 1, "combine": 1, "wait_combine": 1},
+    "bwd": {"dispatch_data": 1, "wait_dispatch_data": 1, "combine_data": 1, "wait_combine_data": 1},
+}
+ROLES = ("launch", "wait")
+PHASES = ("fwd", "bwd")
 
 
-def _traced_arms(raw: dict, dotted: str, v: SuiteReader, arms: dict[str, ArmSpec]) -> tuple[str, ...]:
-    """The arms whose graphs the check reads: those listed, or every traced arm."""
-    traced = {arm for arm, spec in arms.items() if spec.train.get("chunking") in TRACED}
-    chosen = (
-        v.str_list(raw["arms"], f"{dotted}.arms", list(arms))
-        if "arms" in raw
-        else tuple(a for a in arms if a in traced)
+class GraphFormatError(ValueError):
+    """A graph.json that cannot be judged: a node without a field the checks read, or a bad value."""
+
+
+@dataclass(frozen=True)
+class GraphNode:
+    """One exported launch or wait node of a scheduled graph."""
+
+    order: int  # position among all nodes of the graph
+    name: str
+    op: str
+    role: str  # launch | wait
+    pool: str
+    buffer_set: int
+    chunk: int | None  # None: outside every chunk body
+    region: str | None  # the chunk root owning it
+    phase: str  # fwd | bwd
+    users: tuple[str, ...]
+    consumes: str | None = None  # a wait: the node whose placeholder it reads
+
+    @property
+    def region_phase(self) -> str:
+        return f"{self.region} {self.phase}"
+
+
+def read_graph(graph: Any) -> list[GraphNode]:
+    """The nodes of a graph.json, in graph order; raises GraphFormatError naming the node and field."""
+    raw_nodes = graph.get("nodes") if isinstance(graph, dict) else None
+    if not isinstance(raw_nodes, list):
+        raise GraphFormatError("expected an object with a list 'nodes'")
+    nodes = [_node(raw, i) for i, raw in enumerate(raw_nodes)]
+    names = Counter(node.name for node in nodes)
+    if repeated := sorted(name for name, n in names.items() if n > 1):
+        raise GraphFormatError(f"node names {repeated} repeat")
+    return sorted(nodes, key=lambda node: node.order)
+
+
+def _node(raw: Any, index: int) -> GraphNode:
+    where = f"node {index}"
+    if not isinstance(raw, dict):
+        raise GraphFormatError(f"{where}: expected an object, got {raw!r}")
+
+    def field_(key: str, type_: type, optional: bool = False) -> Any:
+        value = raw.get(key)
+        if (value is None and optional) or (isinstance(value, type_) and not isinstance(value, bool)):
+            return value
+        raise GraphFormatError(f"{where}: '{key}' must be {type_.__name__}, got {value!r}")
+
+    role, phase = field_("role", str), field_("phase", str)
+    for key, value, allowed in (("role", role, ROLES), ("phase", phase, PHASES)):
+        if value not in allowed:
+            raise GraphFormatError(f"{where}: '{key}' must be one of {allowed}, got {value!r}")
+    users = field_("users", list)
+    if not all(isinstance(user, str) for user in users):
+        raise GraphFormatError(f"{where}: 'users' must list node names, got {users!r}")
+    return GraphNode(
+        order=field_("order", int),
+        name=field_("name", str),
+        op=field_("op", str),
+        role=role,
+        pool=field_("pool", str),
+        buffer_set=field_("buffer_set", int),
+        chunk=field_("chunk", int, optional=True),
+        region=field_("region", str, optional=True),
+        phase=phase,
+        users=tuple(users),
+        consumes=field_("consumes", str, optional=True),
     )
-    for i, arm in enumerate(chosen):
-        if arm not in traced:
-            raise v.error(
-                f"{dotted}.arms.{i}", f'arm "{arm}" has no graph (chunking must be one of {", ".join(TRACED)})'
+
+
+def _result(name: str, problems: list[str], passed: str) -> CheckResult:
+    """A graph has no steps: every problem is placed at none."""
+    return problems_result(name, KIND, [(None, problem) for problem in problems], passed)
+
+
+def check_exchange_counts(nodes: list[GraphNode], *, roots: list[str], chunks: int) -> CheckResult:
+    """Each root has exactly EXPECTED_PER_ROOT[phase] launches and waits per chunk, nothing elsewhere."""
+    actual = Counter((node.region, node.phase, node.chunk, node.op) for node in nodes)
+    want = Counter(
+        {
+            (root, phase, chunk, op): n
+            for root in roots
+            for phase, ops in EXPECTED_PER_ROOT.items()
+            for chunk in range(chunks)
+            for op, n in ops.items()
+        }
+    )
+    problems = []
+    for key in sorted(want.keys() | actual.keys(), key=str):
+        if want[key] != actual[key]:
+            root, phase, chunk, op = key
+            where = f"{root} {phase}" + ("" if chunk is None else f" chunk {chunk}")
+            problems.append(f"{where}: {actual[key]} {op} (expected {want[key]})")
+    return _result(COUNTS, problems, f"{sum(want.values())} launches and waits as expected ({chunks} chunks)")
+
+
+def check_launch_wait_pairs(nodes: list[GraphNode]) -> CheckResult:
+    """Every launch is read by exactly one wait, placed after it, and every wait reads a launch."""
+    by_name = {node.name: node for node in nodes}
+    launches = [node for node in nodes if node.role == "launch"]
+    problems = []
+    for launch in launches:
+        waits = [by_name[user] for user in launch.users if user in by_name and by_name[user].role == "wait"]
+        if len(waits) != 1 or len(launch.users) != 1:
+            problems.append(f"launch {launch.name} has {len(waits)} waits among its users {list(launch.users)}")
+        elif waits[0].order < launch.order:
+            problems.append(f"wait {waits[0].name} comes before its launch {launch.name}")
+    for wait in (node for node in nodes if node.role == "wait"):
+        source = by_name.get(wait.consumes) if wait.consumes is not None else None
+        if source is None or source.role != "launch":
+            problems.append(f"wait {wait.name} does not consume a launch")
+    return _result(PAIRS, problems, f"{len(launches)} launches, each with one wait after it")
+
+
+def check_buffer_sets(nodes: list[GraphNode], num_buffer_sets: int) -> CheckResult:
+    """Chunk c exchanges on set ``c % num_buffer_sets``, so consecutive chunks alternate; no set is
+    launched into while an exchange on it is in flight (it would overwrite rows not yet read)."""
+    problems = []
+    used: dict[str, dict[int, set[int]]] = defaultdict(lambda: defaultdict(set))
+    in_flight: dict[tuple[str, int], GraphNode] = {}
+    for node in nodes:
+        if node.chunk is None:
+            problems.append(f"{node.name} is not in a chunk body (buffer set {node.buffer_set})")
+            continue
+        used[node.region_phase][node.chunk].add(node.buffer_set)
+        if node.buffer_set != node.chunk % num_buffer_sets:
+            problems.append(
+                f"{node.name} of chunk {node.chunk} uses buffer set {node.buffer_set},"
+                f" expected {node.chunk % num_buffer_sets}"
             )
-    if not chosen:
-        raise v.error(dotted, f"needs a traced arm (chunking one of {', '.join(TRACED)}); the suite has none")
-    return chosen
+        slot = (node.pool, node.buffer_set)
+        if node.role == "launch":
+            if slot in in_flight:
+                problems.append(
+                    f"{node.name} launches into {node.pool} buffer set {node.buffer_set}"
+                    f" while {in_flight[slot].name} is in flight"
+                )
+            in_flight[slot] = node
+        elif slot in in_flight and in_flight[slot].name == node.consumes:
+            del in_flight[slot]
+    for region, sets in used.items():
+        chunks = sorted(sets)
+        for a, b in zip(chunks, chunks[1:]):
+            if num_buffer_sets > 1 and sets[a] == sets[b]:
+                problems.append(f"{region}: chunks {a} and {b} both use buffer sets {sorted(sets[a])}")
+    passed = f"{len(used)} regions alternate {num_buffer_sets} buffer sets, none reused in flight"
+    return _result(BUFFER_SETS, problems, passed)
+
+
+def check_chunk_order(nodes: list[GraphNode]) -> CheckResult:
+    """Forward chunks start their exchanges in order 0..C-1, backward chunks in order C-1..0."""
+    first_launch: dict[tuple[str | None, str], list[int]] = defaultdict(list)
+    for node in nodes:
+        if node.role == "launch" and node.chunk is not None:
+            chunks = first_launch[(node.region, node.phase)]
+            if node.chunk not in chunks:
+                chunks.append(node.chunk)
+    problems = []
+    for (region, phase), chunks in first_launch.items():
+        expected = sorted(chunks, reverse=phase == "bwd")
+        if chunks != expected:
+            problems.append(f"{region} {phase}: chunks launch in order {chunks}, expected {expected}")
+    return _result(CHUNK_ORDER, problems, f"{len(first_launch)} regions: forward chunks ascending, backward descending")
+
+
+def graph_nodes(name: str, kind: str, arm: str, records: ArmRecords) -> list[GraphNode] | CheckResult:
+    """The arm's exported graph nodes, or the result ``name`` that says why there are none to judge."""
+    if records.graph is None:
+        return CheckResult(name, kind, "fail", f"arm '{arm}' exported no graph.json: no graph to check")
+    try:
+        nodes = read_graph(records.graph)
+    except GraphFormatError as e:
+        return CheckResult(name, kind, "error", f"malformed graph.json of arm '{arm}': {e}")
+    if not nodes:
+        return CheckResult(name, kind, "fail", f"graph.json of arm '{arm}' lists no launch or wait")
+    return nodes
+
+
+def graph_results(arm: str, spec: ArmSpec, records: ArmRecords) -> list[CheckResult]:
+    """The four static checks of one traced arm's exported graph, named ``<arm>: graph:<check>``."""
+    nodes = graph_nodes(f"{arm}: {KIND}", KIND, arm, records)
+    if isinstance(nodes, CheckResult):
+        return [nodes]
+    train = spec.train
+    if records.moe_layers:
+        roots = [ROOT_NAMES[train["chunk_roots"]].format(layer=layer) for layer in records.moe_layers]
+        counts = check_exchange_counts(nodes, roots=roots, chunks=train["chunks"])
+    else:
+        what = "records no MoE layers" if records.moe_layers == [] else "has no arm.json with its MoE layers"
+        counts = CheckResult(COUNTS, KIND, "fail", f"arm '{arm}' {what}: no exchange counts to expect")
+    results = [
+        counts,
+        check_launch_wait_pairs(nodes),
+        check_buffer_sets(nodes, train["num_buffer_sets"]),
+        check_chunk_order(nodes),
+    ]
+    return [dataclasses.replace(r, name=f"{arm}: {r.name}") for r in results]
+
+
+def _no_graph(spec: ArmSpec) -> str | None:
+    if spec.train["chunking"] not in TRACED:
+        return f"has no graph (chunking must be one of {', '.join(TRACED)})"
+    return None
 
 
 def parse(kind: str, raw: dict, dotted: str, v: SuiteReader, arms: dict[str, ArmSpec]) -> CheckSpec:
     v.table(raw, dotted, ("kind", "name", "arms"))
     name = v.check_name(raw["name"], f"{dotted}.name") if "name" in raw else kind
-    return CheckSpec(kind, name, _traced_arms(raw, dotted, v, arms))
-
-
-def _arm_results(arm: str, graph_checks: list[dict]) -> list[CheckResult]:
-    """The static checks the rank recorded for a traced arm's graph; none recorded is a failure."""
-    if not graph_checks:
-        return [CheckResult(f"{arm}: {KIND}", KIND, "fail", "the arm recorded no static graph checks")]
-    return [
-        CheckResult(f"{arm}: {c['name']}", KIND, c["status"], c["detail"], extra={"problems": c["problems"]})
-        for c in graph_checks
-    ]
+    wanted = f"a traced arm (chunking one of {', '.join(TRACED)})"
+    return CheckSpec(kind, name, qualifying_arms(v, raw, dotted, arms, _no_graph, wanted))
 
 
 def run(check: CheckSpec, suite: SuiteSpec, records: dict[str, ArmRecords]) -> list[CheckResult]:
-    return [result for arm in check.arms for result in _arm_results(arm, records[arm].graph_checks)]
+    return [result for arm in check.arms for result in graph_results(arm, suite.arms[arm], records[arm])]
 
 
 register(CheckFamily((KIND,), parse, run))

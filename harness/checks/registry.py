@@ -78,6 +78,28 @@ def arm_list(v: SuiteReader, raw: dict, dotted: str, arms: dict[str, ArmSpec]) -
     return v.str_list(raw["arms"], f"{dotted}.arms", list(arms)) if "arms" in raw else tuple(arms)
 
 
+def qualifying_arms(
+    v: SuiteReader,
+    raw: dict,
+    dotted: str,
+    arms: dict[str, ArmSpec],
+    problem: Callable[[ArmSpec], str | None],
+    wanted: str,
+) -> tuple[str, ...]:
+    """The arms a check reads: those listed under ``arms``, each of which must qualify (``problem``
+    says why one does not), or else every arm that qualifies; ``wanted`` names one when none does."""
+    if "arms" not in raw:
+        chosen = tuple(arm for arm, spec in arms.items() if problem(spec) is None)
+        if not chosen:
+            raise v.error(dotted, f"needs {wanted}; the suite has none")
+        return chosen
+    chosen = v.str_list(raw["arms"], f"{dotted}.arms", list(arms))
+    for i, arm in enumerate(chosen):
+        if reason := problem(arms[arm]):
+            raise v.error(f"{dotted}.arms.{i}", f'arm "{arm}" {reason}')
+    return chosen
+
+
 def problems_result(
     name: str, kind: str, problems: list[Problem], passed: str, extra: dict | None = None
 ) -> CheckResult:

@@ -127,7 +127,7 @@ class HFLockstep:
         self.grad_sink = grad_sink
         self.trainer = Trainer(config, event_sink=event_sink, grad_sink=self._keep_grads, update_sink=update_sink)
         self.moe_layers = self.trainer.moe_layers
-        self.graph_checks = self.trainer.graph_checks
+        self.graph_export = self.trainer.graph_export
         self.group = self.trainer.group
         model = self.trainer.replicas[self.group.local_ranks[0]].model
         expert_ids = {id(p) for p in model.expert_parameters()}

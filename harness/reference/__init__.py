@@ -10,8 +10,9 @@ one small seam, defined in :mod:`harness.reference.train`:
   hosts every logical EP rank). Process ``p`` of ``P`` hosts logical ranks ``[p*E/P, (p+1)*E/P)``.
 * ``Trainer.step(step) -> dict``: ``{"step", "loss", "grad_norm", "tokens", "step_time_s"}``;
   loss and grad norm are global and identical on every process.
-* ``Trainer.graph_checks``: for the traced chunkings, the static checks of the graph (one dict
-  each: ``name``, ``status`` pass|fail|skip, ``detail``, ``problems``); empty otherwise.
+* ``Trainer.graph_export``: for the traced chunkings, the scheduled graph's token-exchange
+  launches and waits as plain data (``{"nodes": [...]}``, see
+  ``chunking.checks.export_exchange_graph``); None otherwise.
 * ``event_sink(logical_rank, event)``: called for every token-exchange launch and wait; a
   launch carries ``send_counts`` and ``recv_counts``, rows to and from each logical rank.
 * ``grad_sink(logical_rank, step, {name: gradient})``: once gradients are final, before clipping.

@@ -16,7 +16,7 @@ import json
 import os
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import torch
@@ -242,9 +242,9 @@ class Trainer:
         )
 
     @property
-    def graph_checks(self) -> list[dict]:
-        """Static checks of the traced graph (empty for eager arms): name, status, detail, problems."""
-        return [asdict(check) for check in self.graph_step.checks] if self.graph_step else []
+    def graph_export(self) -> dict | None:
+        """The traced graph's exchange ops as plain data (None for eager arms); see ``export_exchange_graph``."""
+        return self.graph_step.exported if self.graph_step else None
 
     def step(self, step: int) -> dict:
         start = time.perf_counter()

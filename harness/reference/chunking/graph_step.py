@@ -11,7 +11,8 @@ Two arms build a :class:`GraphStep`:
 * ``"eager-traced"``: the eagerly chunked model (already tagged with chunk metadata) traced with
   static shapes, then the same scheduler.
 
-Both get the same static checks. A fault, for proving the checks catch real bugs, breaks one step
+Both get the same static checks, and export their scheduled exchange ops as plain data for checks
+outside the reference. A fault, for proving the checks catch real bugs, breaks one step
 of the ``"graph"`` arm. A pass that rejects the graph is reported as a failed check, and the graph
 runs without that pass, so the run shows its consequences as well.
 """
@@ -33,6 +34,7 @@ from harness.reference.chunking.checks import (
     check_chunk_order,
     check_exchange_counts,
     check_launch_wait_pairs,
+    export_exchange_graph,
 )
 from harness.reference.chunking.graph import (
     ChunkingError,
@@ -77,6 +79,7 @@ class GraphStep:
 
     gm: fx.GraphModule
     checks: list[GraphCheck] = field(default_factory=list)
+    exported: dict = field(default_factory=dict)  # the exchange ops as plain data (export_exchange_graph)
     boxed: bool = False  # regional Inductor leaves a graph that takes one flat list and returns a flat tuple
 
     def __call__(self, params: Sequence[torch.Tensor], buffers: Sequence[torch.Tensor], *batch: torch.Tensor):
@@ -172,7 +175,8 @@ def compile_graph_step(
         check_buffer_sets(gm, MARKERS, num_buffer_sets),
         check_chunk_order(gm, MARKERS),
     ]
-    return GraphStep(gm, checks, boxed=inductor_pattern is not None)
+    exported = export_exchange_graph(gm, MARKERS, pattern)
+    return GraphStep(gm, checks, exported, boxed=inductor_pattern is not None)
 
 
 def moe_fqns(model: nn.Module) -> list[str]:

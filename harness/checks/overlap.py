@@ -1,0 +1,128 @@
+"""Real overlap of chunked token exchanges (kind ``overlap``): the next chunk's exchange is in flight
+while a chunk waits for its own.
+
+Chunking promises overlap wherever an arm has ``chunks >= 2`` and ``num_buffer_sets >= 2``: the EP
+scheduler holds a chunk's k-th wait until the next chunk has issued its k-th launch, so the next
+chunk's tokens travel while this chunk computes. A scheduler that waits for chunk 0's exchange
+before launching chunk 1's computes the same numbers and issues the same exchanges on the same
+buffer sets; only the order of launches and waits shows it. This check reads that order: the
+graph order in ``graph.json`` for traced arms, the emission order of the token-exchange events for
+eager arms.
+
+A region is one (chunk root, direction) of a graph, or one (step, phase, MoE layer) of one
+logical rank's events. Its chunks are taken in the order they first launch (whether that order
+is right is ``graph:chunk-order``'s business), and each consecutive pair must overlap. The
+detail reports the fraction of regions that do; a region that does not fails the check.
+
+Eager arms schedule their forward (and its replay, ``recompute``) only: their backward is
+autograd's, which runs each reverse exchange's launch and wait inside one autograd node, so it
+promises no overlap and is not judged. Traced arms schedule both directions.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+
+from harness.checks.exchange import Event, malformed_events
+from harness.checks.graph import GraphNode, graph_nodes
+from harness.checks.registry import CheckFamily, SuiteReader, problems_result, qualifying_arms, register
+from harness.compare import CheckResult
+from harness.records import ArmRecords
+from harness.reference.train import TRACED
+from harness.specs import ArmSpec, CheckSpec, SuiteSpec
+
+KIND = "overlap"
+# The phases an eager arm's scheduler orders; its backward is autograd's.
+EAGER_SCHEDULED_PHASES = ("fwd", "recompute")
+Sequence = list[tuple[int | None, str]]  # (chunk, "launch" | "wait") of one region, in order
+
+
+def overlap_problem(sequence: Sequence) -> str | None:
+    """Why a region's exchanges do not overlap, or None: for chunks a, b in first-launch order,
+    a's k-th wait must come after b's k-th launch, for every k both have."""
+    launches: dict[int | None, list[int]] = defaultdict(list)
+    waits: dict[int | None, list[int]] = defaultdict(list)
+    for position, (chunk, role) in enumerate(sequence):
+        (launches if role == "launch" else waits)[chunk].append(position)
+    order = list(launches)
+    if len(order) < 2:
+        return f"only chunks {order} launch: nothing to overlap"
+    for a, b in zip(order, order[1:]):
+        for k, (wait_at, launch_at) in enumerate(zip(waits[a], launches[b])):
+            if wait_at < launch_at:
+                return f"chunk {a} waits for its exchange {k} before chunk {b} launches its exchange {k}"
+    return None
+
+
+def graph_regions(nodes: list[GraphNode]) -> dict[str, Sequence]:
+    """The launch/wait sequence of each (root, direction) of a graph, in graph order."""
+    regions: dict[str, Sequence] = defaultdict(list)
+    for node in nodes:
+        regions[node.region_phase].append((node.chunk, node.role))
+    return dict(regions)
+
+
+def event_regions(events: list[Event], phases: tuple[str, ...]) -> dict[str, Sequence]:
+    """The launch/wait sequence of each (step, phase, layer) in ``phases`` of one logical rank's events."""
+    regions: dict[str, Sequence] = defaultdict(list)
+    for e in events:
+        if e["phase"] in phases:
+            regions[f"step {e['step']} {e['phase']} layer {e['layer']}"].append((e["chunk"], e["op"]))
+    return dict(regions)
+
+
+def overlap_result(name: str, regions: dict[str, Sequence], scope: str) -> CheckResult:
+    """Passes when every region overlaps; the detail gives the fraction that does, over ``scope``."""
+    if not regions:
+        return CheckResult(name, KIND, "fail", f"no {scope} recorded: no overlap to check")
+    problems = [(None, f"{label}: {problem}") for label, seq in regions.items() if (problem := overlap_problem(seq))]
+    overlapping = len(regions) - len(problems)
+    fraction = overlapping / len(regions)
+    extra = {"regions": len(regions), "overlapping": overlapping, "fraction": fraction}
+    summary = f"{overlapping} of {len(regions)} {scope} overlap ({fraction:.0%})"
+    if problems:
+        problems[0] = (None, f"{summary}; {problems[0][1]}")
+    return problems_result(name, KIND, problems, f"{summary}: each chunk waits after the next chunk launches", extra)
+
+
+def arm_overlap(name: str, arm: str, spec: ArmSpec, records: ArmRecords) -> CheckResult:
+    """One arm's overlap: from its graph when traced, else from every logical rank's events."""
+    if spec.train["chunking"] in TRACED:
+        nodes = graph_nodes(name, KIND, arm, records)
+        if isinstance(nodes, CheckResult):
+            return nodes
+        return overlap_result(name, graph_regions(nodes), "graph regions")
+    empty = [rank for rank, events in sorted(records.events.items()) if not events]
+    if not records.events or empty:
+        return CheckResult(name, KIND, "fail", f"logical ranks {empty or 'all'} recorded no token-exchange events")
+    regions: dict[str, Sequence] = {}
+    for rank, events in sorted(records.events.items()):
+        if reason := malformed_events(events):
+            return CheckResult(name, KIND, "error", f"malformed events of logical rank {rank}: {reason}")
+        regions |= {
+            f"logical rank {rank} {label}": seq for label, seq in event_regions(events, EAGER_SCHEDULED_PHASES).items()
+        }
+    return overlap_result(name, regions, "forward regions")
+
+
+def _no_overlap_promised(spec: ArmSpec) -> str | None:
+    train = spec.train
+    if train["chunking"] == "none":
+        return 'is not chunked (chunking = "none"): nothing to overlap'
+    if train["chunks"] < 2 or train["num_buffer_sets"] < 2:
+        return f"promises no overlap: chunks = {train['chunks']}, num_buffer_sets = {train['num_buffer_sets']}"
+    return None
+
+
+def parse(kind: str, raw: dict, dotted: str, v: SuiteReader, arms: dict[str, ArmSpec]) -> CheckSpec:
+    v.table(raw, dotted, ("kind", "name", "arms"))
+    name = v.check_name(raw["name"], f"{dotted}.name") if "name" in raw else kind
+    wanted = "a chunked arm with chunks >= 2 and num_buffer_sets >= 2"
+    return CheckSpec(kind, name, qualifying_arms(v, raw, dotted, arms, _no_overlap_promised, wanted))
+
+
+def run(check: CheckSpec, suite: SuiteSpec, records: dict[str, ArmRecords]) -> list[CheckResult]:
+    return [arm_overlap(f"{arm}: {check.name}", arm, suite.arms[arm], records[arm]) for arm in check.arms]
+
+
+register(CheckFamily((KIND,), parse, run))
