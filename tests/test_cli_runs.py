@@ -93,12 +93,10 @@ model.RMSNorm.forward = broken_norm
 """
 
 
-def test_rank_raising_in_the_system_under_test_is_a_regression(run_harness, tmp_path: Path) -> None:
+def test_rank_raising_in_the_system_under_test_is_a_regression(run_harness, plant, tmp_path: Path) -> None:
     """A shape error a change put into the reference fails the same way on every retry: exit 1."""
-    (tmp_path / "bug").mkdir()
-    (tmp_path / "bug" / "sitecustomize.py").write_text(SUBJECT_BUG)  # loaded by every rank at start-up
     out = tmp_path / "run"
-    run = run_harness("run", "logical-ranks", "--steps", 2, "--out", out, env={"PYTHONPATH": tmp_path / "bug"})
+    run = run_harness("run", "logical-ranks", "--steps", 2, "--out", out, env=plant(SUBJECT_BUG))
     assert run.returncode == 1, run.stdout + run.stderr
     raised = [c for c in run.summary(out)["checks"] if c["kind"] == "rank-raised"]
     assert len(raised) == 1 and raised[0]["status"] == "fail", raised
@@ -298,13 +296,11 @@ harness.run.run_check = broken_check
 """
 
 
-def test_error_inside_the_harness_is_exit_3_with_one_line_and_a_logged_traceback(run_harness, tmp_path: Path) -> None:
-    (tmp_path / "bug").mkdir()
-    (tmp_path / "bug" / "sitecustomize.py").write_text(HARNESS_BUG)
+def test_error_inside_the_harness_is_exit_3_with_one_line_and_a_logged_traceback(
+    run_harness, plant, tmp_path: Path
+) -> None:
     out = tmp_path / "run"
-    run = run_harness(
-        "run", "determinism", "--ranks", 1, "--steps", 1, "--out", out, env={"PYTHONPATH": tmp_path / "bug"}
-    )
+    run = run_harness("run", "determinism", "--ranks", 1, "--steps", 1, "--out", out, env=plant(HARNESS_BUG))
     assert run.returncode == 3, run.stdout + run.stderr
     summary = run.summary(out)
     assert summary["verdict"] == "error" and summary["checks"][0]["kind"] == "internal-error"
@@ -313,12 +309,10 @@ def test_error_inside_the_harness_is_exit_3_with_one_line_and_a_logged_traceback
     assert (out / "junit.xml").is_file() and (out / "report.html").is_file()
 
 
-def test_error_before_the_run_directory_exists_names_its_traceback_file(run_harness, tmp_path: Path) -> None:
-    (tmp_path / "bug").mkdir()
+def test_error_before_the_run_directory_exists_names_its_traceback_file(run_harness, plant) -> None:
     bug = "import harness.suites\n\ndef broken(*args, **kwargs):\n    raise KeyError('model')\n\n"
     bug += "harness.suites.load_suite = broken\n"
-    (tmp_path / "bug" / "sitecustomize.py").write_text(bug)
-    run = run_harness("run", "determinism", env={"PYTHONPATH": tmp_path / "bug"})
+    run = run_harness("run", "determinism", env=plant(bug))
     assert run.returncode == 3 and len(run.stderr.splitlines()) == 1, run.stderr
     assert run.stderr.startswith("error: internal error: KeyError: 'model' (traceback: ")
     log = Path(run.stderr.rstrip().removesuffix(")").rsplit("traceback: ", 1)[1])

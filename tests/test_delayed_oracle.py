@@ -3,7 +3,6 @@ weights) across delays, corrections and retention modes, and it catches bugs pla
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import pytest
@@ -16,7 +15,6 @@ from harness.reference.delayed_oracle import DelayedOracleTrainer
 from harness.reference.pipeline import PipelineConfig, VersionedTrainer
 from harness.suites import SuiteError, load_suite
 
-REPO = Path(__file__).resolve().parent.parent
 EP = {"ep": 2, "chunking": "eager", "chunks": 2}
 STEPS = 5  # fill, steady state and drain at delay 2
 # Record fields both trainers must agree on; forwards are counted per tick and differ by design
@@ -240,14 +238,12 @@ pipeline.VersionedTrainer.drain = drain_losing_last_step
 
 
 @pytest.mark.parametrize("bug", list(BUGS))
-def test_a_bug_planted_in_the_pipeline_fails_the_oracle_check(run_harness, tmp_path: Path, bug: str) -> None:
-    (tmp_path / "bug").mkdir()
-    (tmp_path / "bug" / "sitecustomize.py").write_text(PRELUDE + BUGS[bug])  # loaded by every rank at start-up
+def test_a_bug_planted_in_the_pipeline_fails_the_oracle_check(run_harness, plant, tmp_path: Path, bug: str) -> None:
     out = tmp_path / "run"
     retention = ["--set", "arms.stale.retention=offload"] if bug == "pooled-offload" else []
     run = run_harness(
         "run", "strict-vs-stale", "--steps", 5, *retention, "--golden", "off", "--out", out,
-        env={"PYTHONPATH": f"{tmp_path / 'bug'}{os.pathsep}{REPO}"},  # the bug imports this checkout's harness
+        env=plant(PRELUDE + BUGS[bug]),
     )  # fmt: skip
     assert run.returncode == 1, run.stdout + run.stderr
     failed = [name for name in ORACLE_CHECKS if run.check(out, name)["status"] == "fail"]

@@ -175,11 +175,6 @@ def test_the_suite_passes_against_transformers(run_harness, tmp_path: Path) -> N
         assert [r["loss"] for r in lines] == [m["loss"] for m in metrics]
 
 
-REPO = Path(__file__).resolve().parent.parent
-# Prepended to each bug: sitecustomize runs before the interpreter puts the working directory on
-# sys.path, so it names the harness under test itself.
-FIND_HARNESS = f"import sys\n\nsys.path.insert(0, {str(REPO)!r})\n"
-
 UNSCALED_ROUTING = """
 import harness.reference.model as model
 
@@ -241,10 +236,8 @@ train.Trainer._clip_by_global_norm = clip_dense_only
     ids=["routed-scaling-factor-not-applied", "expert-choice-ignores-correction-bias", "experts-not-clipped"],
 )
 def test_bugs_planted_in_the_reference_fail_naming_the_parameter(
-    run_harness, tmp_path: Path, bug: str, parameter: str, options: tuple[str, ...]
+    run_harness, plant, tmp_path: Path, bug: str, parameter: str, options: tuple[str, ...]
 ) -> None:
-    (tmp_path / "bug").mkdir()
-    (tmp_path / "bug" / "sitecustomize.py").write_text(FIND_HARNESS + bug)  # loaded by every rank at start-up
     out = tmp_path / "run"
     run = run_harness(
         "run",
@@ -256,7 +249,7 @@ def test_bugs_planted_in_the_reference_fail_naming_the_parameter(
         *options,
         "--out",
         out,
-        env={"PYTHONPATH": tmp_path / "bug"},
+        env=plant(bug),
         timeout=600,
     )
     assert run.returncode == 1, run.stdout + run.stderr

@@ -4,12 +4,9 @@ sitecustomize module (loaded by every rank at start-up) are judged by the harnes
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import pytest
-
-REPO = Path(__file__).resolve().parent.parent
 
 
 def failing(run, out: Path) -> set[str]:
@@ -71,16 +68,11 @@ def test_planted_graph_bug_fails_the_check_that_names_it(
     assert run.summary(out)["verdict"] == "fail"
 
 
-def run_parity_with(run_harness, tmp_path: Path, bug: str) -> tuple:
-    """One step of parity with ``bug`` planted in every rank; the run and its directory.
-
-    The repository goes on PYTHONPATH too: sitecustomize runs before ``python -m`` puts the
-    working directory on sys.path, and it imports the reference to patch it."""
-    (tmp_path / "bug").mkdir()
-    (tmp_path / "bug" / "sitecustomize.py").write_text(bug)
+def run_parity_with(run_harness, plant, tmp_path: Path, bug: str) -> tuple:
+    """One step of parity with ``bug`` planted in every rank; the run and its directory."""
     out = tmp_path / "run"
     args = ("run", "parity", "--ranks", 2, "--steps", 1, "--golden", "off", "--out", out)
-    return run_harness(*args, env={"PYTHONPATH": os.pathsep.join(map(str, (tmp_path / "bug", REPO)))}), out
+    return run_harness(*args, env=plant(bug)), out
 
 
 SELF_CERTIFIED_BUFFER_SETS = """
@@ -103,9 +95,9 @@ graph_step.check_buffer_sets = certified
 
 
 def test_repeated_buffer_sets_fail_the_harness_graph_check_though_the_reference_certifies_them(
-    run_harness, tmp_path: Path
+    run_harness, plant, tmp_path: Path
 ) -> None:
-    run, out = run_parity_with(run_harness, tmp_path, SELF_CERTIFIED_BUFFER_SETS)
+    run, out = run_parity_with(run_harness, plant, tmp_path, SELF_CERTIFIED_BUFFER_SETS)
     assert run.returncode == 1, run.stdout + run.stderr
     buffer_sets = run.check(out, "graph: graph:buffer-sets")
     assert buffer_sets["status"] == "fail"
@@ -130,9 +122,9 @@ schedule.EPScheduler.order = one_chunk_at_a_time
 """
 
 
-def test_a_scheduler_that_stops_overlapping_fails_only_the_overlap_check(run_harness, tmp_path: Path) -> None:
+def test_a_scheduler_that_stops_overlapping_fails_only_the_overlap_check(run_harness, plant, tmp_path: Path) -> None:
     """Chunk 1 launches only once chunk 0's exchanges have landed: same numbers, same exchanges."""
-    run, out = run_parity_with(run_harness, tmp_path, ONE_CHUNK_AT_A_TIME)
+    run, out = run_parity_with(run_harness, plant, tmp_path, ONE_CHUNK_AT_A_TIME)
     assert run.returncode == 1, run.stdout + run.stderr
     assert failing(run, out) == {"eager: overlap", "eager-traced: overlap", "graph: overlap"}
     graph = run.check(out, "graph: overlap")
