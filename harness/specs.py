@@ -51,9 +51,12 @@ class ArmSpec:
         return is_versioned(self.train)
 
     def non_defaults(self) -> dict[str, Any]:
-        """The TrainConfig fields this arm sets away from the reference's defaults."""
-        defaults = dataclasses.asdict(TrainConfig())
-        return {k: v for k, v in self.train.items() if k not in defaults or defaults[k] != v}
+        """The fields this arm sets away from the defaults of its config class (what a golden's
+        config records), and a versioned arm's ``trainer``, so that a field added later with a
+        default that keeps the old behaviour leaves older goldens valid."""
+        defaults = dataclasses.asdict(PipelineConfig() if self.versioned else TrainConfig())
+        differing = {k: v for k, v in self.train.items() if k not in defaults or defaults[k] != v}
+        return {"trainer": self.train["trainer"], **differing} if self.versioned else differing
 
 
 @dataclass(frozen=True)
