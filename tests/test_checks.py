@@ -5,12 +5,12 @@ from __future__ import annotations
 from pathlib import Path
 
 import pandas as pd
+from suite_files import suite_from
 
 from harness.checks import run_check
 from harness.environment import CpuPin
 from harness.records import ArmRecords
 from harness.run import record_checks
-from harness.suites import load_suite
 
 SUITE = """
 name = "mini"
@@ -32,9 +32,7 @@ kind = "graph-invariants"
 
 
 def _suite(tmp_path: Path):
-    path = tmp_path / "suite.toml"
-    path.write_text(SUITE)
-    return load_suite(str(path))
+    return suite_from(tmp_path, SUITE)
 
 
 def test_token_exchange_fails_an_arm_without_recorded_moe_layers(tmp_path: Path) -> None:

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 from exported_graphs import OVERLAPPED, exported_graph
+from suite_files import suite_from
 
 from harness.checks import run_check
 from harness.checks.graph import (
@@ -19,8 +20,7 @@ from harness.checks.graph import (
 )
 from harness.compare import CheckResult
 from harness.records import ArmRecords, read_arm
-from harness.specs import SuiteSpec
-from harness.suites import SuiteError, load_suite
+from harness.suites import SuiteError
 
 ROOTS = ["model.layers.1.mlp", "model.layers.2.mlp"]
 SUITE = """
@@ -40,14 +40,8 @@ kind = "graph-invariants"
 """
 
 
-def _suite(tmp_path: Path, text: str = SUITE) -> SuiteSpec:
-    path = tmp_path / "suite.toml"
-    path.write_text(text)
-    return load_suite(str(path))
-
-
 def _judge(tmp_path: Path, graph: dict | None, moe_layers: list[int] | None = [1, 2]) -> dict[str, CheckResult]:
-    suite = _suite(tmp_path)
+    suite = suite_from(tmp_path, SUITE)
     records = {"eager": ArmRecords(), "graph": ArmRecords(moe_layers=moe_layers, graph=graph)}
     return {r.name: r for r in run_check(suite.checks[0], suite, records)}
 
@@ -144,7 +138,7 @@ def test_the_verdicts_the_reference_writes_are_not_read(tmp_path: Path) -> None:
     (arm_dir / "arm.json").write_text(json.dumps({"moe_layers": [1, 2], "graph_checks": verdicts}))
     repeated = {"nodes": [{**n, "buffer_set": 0} for n in exported_graph()["nodes"]]}
     (arm_dir / "graph.json").write_text(json.dumps(repeated))
-    suite = _suite(tmp_path)
+    suite = suite_from(tmp_path, SUITE)
     records = {"eager": ArmRecords(), "graph": read_arm(tmp_path / "run", "graph", 2)}
     results = {r.name: r.status for r in run_check(suite.checks[0], suite, records)}
     assert results["graph: graph:buffer-sets"] == "fail"
@@ -152,4 +146,4 @@ def test_the_verdicts_the_reference_writes_are_not_read(tmp_path: Path) -> None:
 
 def test_a_graph_check_on_an_untraced_arm_is_refused(tmp_path: Path) -> None:
     with pytest.raises(SuiteError, match=r'checks\.0\.arms\.0: arm "eager" has no graph'):
-        _suite(tmp_path, SUITE + 'arms = ["eager"]\n')
+        suite_from(tmp_path, SUITE + 'arms = ["eager"]\n')

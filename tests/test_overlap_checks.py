@@ -7,13 +7,13 @@ from pathlib import Path
 
 import pytest
 from exported_graphs import OVERLAPPED, SERIAL, exchange_events, exported_graph
+from suite_files import suite_from
 
 from harness.checks import run_check
 from harness.checks.overlap import overlap_problem
 from harness.compare import CheckResult
 from harness.records import ArmRecords
-from harness.specs import SuiteSpec
-from harness.suites import SuiteError, load_suite
+from harness.suites import SuiteError
 
 SUITE = """
 name = "mini"
@@ -34,14 +34,8 @@ kind = "overlap"
 """
 
 
-def _suite(tmp_path: Path, text: str = SUITE) -> SuiteSpec:
-    path = tmp_path / "suite.toml"
-    path.write_text(text)
-    return load_suite(str(path))
-
-
 def _judge(tmp_path: Path, graph: dict | None, events: dict[int, list[dict]]) -> dict[str, CheckResult]:
-    suite = _suite(tmp_path)
+    suite = suite_from(tmp_path, SUITE)
     records = {"plain": ArmRecords(), "eager": ArmRecords(events=events), "graph": ArmRecords(graph=graph)}
     return {r.name: r for r in run_check(suite.checks[0], suite, records)}
 
@@ -103,10 +97,10 @@ def test_absent_records_fail_and_malformed_events_are_an_error(tmp_path: Path) -
 
 def test_an_arm_whose_schedule_promises_no_overlap_is_refused(tmp_path: Path) -> None:
     with pytest.raises(SuiteError, match=r'checks\.0\.arms\.0: arm "plain" is not chunked \(chunking = "none"\)'):
-        _suite(tmp_path, SUITE + 'arms = ["plain"]\n')
+        suite_from(tmp_path, SUITE + 'arms = ["plain"]\n')
     one_set = SUITE.replace('chunking = "eager"', 'chunking = "eager"\nnum_buffer_sets = 1')
     with pytest.raises(SuiteError, match=r"arm \"eager\" promises no overlap: chunks = 2, num_buffer_sets = 1"):
-        _suite(tmp_path, one_set + 'arms = ["eager"]\n')
+        suite_from(tmp_path, one_set + 'arms = ["eager"]\n')
     unchunked = SUITE.replace("chunks = 2", "chunks = 1")
     with pytest.raises(SuiteError, match=r"checks\.0: needs a chunked arm with chunks >= 2 and num_buffer_sets >= 2"):
-        _suite(tmp_path, unchunked)
+        suite_from(tmp_path, unchunked)

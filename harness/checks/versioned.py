@@ -12,7 +12,7 @@ import math
 from collections import defaultdict
 from collections.abc import Iterable
 
-from harness.checks.registry import CheckFamily, Problem, SuiteReader, problems_result, register
+from harness.checks.registry import CheckFamily, Problem, SuiteReader, problems_result, qualifying_arms, register
 from harness.compare import CheckResult, format_steps
 from harness.records import ArmRecords
 from harness.specs import PIPELINE_FIELDS, ArmSpec, CheckSpec, SuiteSpec
@@ -178,12 +178,8 @@ def _versioned_arms(
             return 'has correction = "off": no statistics to check'
         return None
 
-    if "arms" not in raw:
-        chosen = tuple(arm for arm, spec in arms.items() if problem(spec) is None)
-        if not chosen:
-            wanted = "a versioned arm with a correction" if corrected else f"a versioned arm (one that sets {fields})"
-            raise v.error(dotted, f"needs {wanted}; the suite has none")
-        return chosen
+    wanted = "a versioned arm with a correction" if corrected else f"a versioned arm (one that sets {fields})"
+    return qualifying_arms(v, raw, dotted, arms, problem, wanted)
     chosen = v.str_list(raw["arms"], f"{dotted}.arms", list(arms))
     for i, arm in enumerate(chosen):
         if reason := problem(arms[arm]):
