@@ -26,9 +26,10 @@ from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 import transformers
 
-from harness.reference.model import DeepseekV3Config, causal_lm_loss
+from harness.reference.model import DeepseekV3Config
 from harness.reference.train import DTYPES, GradSink, TrainConfig, Trainer, UpdateSink, synthetic_batch
 
 Tensors = dict[str, torch.Tensor]
@@ -204,7 +205,12 @@ class HFLockstep:
         batches = [synthetic_batch(self.config, vocab, step, rank) for rank in range(self.config.ep)]
         inputs = torch.cat([inputs for inputs, _ in batches]).to(device)
         logits = self.hf(input_ids=inputs).logits.split(self.config.local_batch)
-        loss = torch.stack([causal_lm_loss(lg, labels.to(device)) for lg, (_, labels) in zip(logits, batches)]).mean()
+        # torch's own cross entropy, not the reference's loss: a bug there must not move both sides.
+        per_rank = [
+            F.cross_entropy(lg.flatten(0, 1).float(), labels.to(device).flatten())
+            for lg, (_, labels) in zip(logits, batches)
+        ]
+        loss = torch.stack(per_rank).mean()
         loss.backward()
         return loss.item()
 
