@@ -2,11 +2,13 @@
 
 A digest stands in for a tensor that is too big to record every step: a bit-exact hash (blake2b
 over its bytes) and two fp64 statistics, the max abs value and the L2 norm, so that a difference
-can be sized without the tensor. Two kinds are recorded:
+can be sized without the tensor. Three kinds are recorded:
 
 * ``ranks.rank<k>.jsonl``: every logical rank hashes its replicated (non-expert) parameters after
   the optimizer step, every :data:`HASH_EVERY` steps and at the last step, so that a replica that
   drifts shows at the next hashed step (the ``ranks-agree`` check);
+* ``weights.rank<k>.json``: every logical rank hashes each of its parameters after its last
+  update (the ``final-weights`` check);
 * ``digests.jsonl``: logical rank 0 (hosted by process rank 0 in every layout) digests each of its
   parameters' gradients (after the sum over logical ranks, before clipping) and each parameter
   after the optimizer step, every step. Two arms of the same EP degree thus record the same
@@ -42,6 +44,12 @@ def _flat(tensors: Iterable[torch.Tensor]) -> torch.Tensor:
 def parameters_hash(tensors: Iterable[torch.Tensor]) -> str:
     """One blake2b over the bytes of every tensor, in order: equal iff every bit is."""
     return hashlib.blake2b(_flat(tensors).view(torch.uint8).numpy(), digest_size=_HASH_BYTES).hexdigest()
+
+
+def final_weights(model: torch.nn.Module, updates: int) -> dict:
+    """``{"updates", "parameters": {name: hash}}``: one logical rank's weights after its last
+    update (``weights.rank<k>.json``), which the ``final-weights`` check compares bit for bit."""
+    return {"updates": updates, "parameters": {name: parameters_hash([p]) for name, p in model.named_parameters()}}
 
 
 def digest_all(tensors: dict[str, torch.Tensor]) -> dict[str, list]:

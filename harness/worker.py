@@ -6,7 +6,8 @@ judges: ``arms/<arm>/metrics.jsonl`` and ``digests.jsonl`` (process rank 0, for 
 and ``events.rank<k>.jsonl`` and ``ranks.rank<k>.jsonl`` (the process hosting logical rank k; see
 :mod:`harness.digests`). Every line is flushed, so a crash leaves every finished step on disk.
 After the arm's last update, the process hosting each logical rank of a reference trainer writes
-``weights.rank<k>.json``: a SHA-256 of each of its parameters, so final weights compare bit for bit.
+``weights.rank<k>.json``: a hash of each of its parameters (:func:`harness.digests.final_weights`),
+so final weights compare bit for bit.
 
 A plain arm runs on ``Trainer``, a versioned arm (one that sets a pipeline field) on the trainer
 its ``trainer`` field names: ``VersionedTrainer``, or ``DelayedOracleTrainer``, the same delayed
@@ -22,7 +23,6 @@ import contextlib
 import ctypes
 import ctypes.util
 import faulthandler
-import hashlib
 import json
 import os
 import random
@@ -38,7 +38,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.elastic.multiprocessing.errors import record
 
-from harness.digests import HASH_EVERY, digest_all, parameters_hash
+from harness.digests import HASH_EVERY, digest_all, final_weights, parameters_hash
 from harness.records import JsonlWriter, write_json_atomic
 from harness.reference.delayed_oracle import DelayedOracleTrainer
 from harness.reference.ep.exchange import EventSink
@@ -185,16 +185,6 @@ def make_trainer(
     return Trainer(config, **sinks)
 
 
-def weights_digest(model: torch.nn.Module, updates_done: int) -> dict[str, Any]:
-    """``{"updates", "parameters": {name: sha256 of dtype, shape and bytes}}`` of one logical rank."""
-    digests = {}
-    for name, param in model.named_parameters():
-        data = param.detach().cpu().contiguous()
-        header = f"{data.dtype} {tuple(data.shape)}".encode()
-        digests[name] = hashlib.sha256(header + data.view(torch.uint8).numpy().tobytes()).hexdigest()
-    return {"updates": updates_done, "parameters": digests}
-
-
 def run_arm(run_dir: Path, arm: str, spec: dict[str, Any], steps: int, debug: dict[str, Any]) -> None:
     """Builds the arm's trainer from a fresh seed and runs its steps, streaming records."""
     train = spec["train"]
@@ -241,7 +231,7 @@ def run_arm(run_dir: Path, arm: str, spec: dict[str, Any], steps: int, debug: di
             )
         if isinstance(trainer, Trainer):  # the reference's own trainers: their replicas hold the weights
             for logical_rank, replica in trainer.replicas.items():
-                digest = weights_digest(replica.model, updates_done)
+                digest = final_weights(replica.model, updates_done)
                 write_json_atomic(arm_dir / f"weights.rank{logical_rank}.json", digest)
 
 
