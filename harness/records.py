@@ -139,6 +139,7 @@ class ArmRecords:
     cpu_capability: str | None = None  # the ISA ATen dispatched to in the arm's ranks
     final_weights: dict[int, dict] = field(default_factory=dict)  # logical rank -> digests after the last update
     fidelity: list[dict] = field(default_factory=list)  # an oracle arm's fidelity.jsonl, one line per step
+    pec: dict[int, list[dict]] = field(default_factory=dict)  # logical rank -> a PEC arm's gradient all-to-all events
     error: str | None = None  # unreadable records
 
     def steps_done(self) -> int:
@@ -168,6 +169,7 @@ def read_arm(run_dir: Path, arm: str, logical_ranks: int) -> ArmRecords:
         for logical_rank in range(logical_ranks):
             records.events[logical_rank] = _read_if_there(arm_dir / f"events.rank{logical_rank}.jsonl")
             records.ranks[logical_rank] = _read_if_there(arm_dir / f"ranks.rank{logical_rank}.jsonl")
+            records.pec[logical_rank] = _read_if_there(arm_dir / f"pec.rank{logical_rank}.jsonl")
             weights = arm_dir / f"weights.rank{logical_rank}.json"
             if weights.is_file():
                 records.final_weights[logical_rank] = json.loads(weights.read_text())

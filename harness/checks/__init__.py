@@ -11,7 +11,9 @@
 * :mod:`~harness.checks.fidelity`: an oracle arm's lockstep records against Hugging Face;
 * :mod:`~harness.checks.ranks`: every logical rank of an arm agrees on the step and its replicas;
 * :mod:`~harness.checks.routing`: send counts of every exchange match the receive counts;
-* :mod:`~harness.checks.weights`: two arms' final weights, bit for bit.
+* :mod:`~harness.checks.weights`: two arms' final weights, bit for bit;
+* :mod:`~harness.checks.pec`: a PEC embedding's gradient all-to-all: who starts it, when, how often,
+  and that every lookup sees every earlier update.
 """
 
 from harness.checks import (  # noqa: F401  (they register)
@@ -20,6 +22,7 @@ from harness.checks import (  # noqa: F401  (they register)
     graph,
     overlap,
     pairs,
+    pec,
     ranks,
     routing,
     versioned,
