@@ -12,15 +12,22 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from harness.reference.pec import PECConfig
 from harness.reference.pipeline import PipelineConfig
 from harness.reference.train import TrainConfig
 
+
+def _own_fields(config: type[TrainConfig]) -> tuple[str, ...]:
+    """The fields a TrainConfig subclass adds."""
+    return tuple(
+        f.name for f in dataclasses.fields(config) if f.name not in {g.name for g in dataclasses.fields(TrainConfig)}
+    )
+
+
 # Setting any of these makes an arm versioned.
-PIPELINE_FIELDS = tuple(
-    f.name
-    for f in dataclasses.fields(PipelineConfig)
-    if f.name not in {g.name for g in dataclasses.fields(TrainConfig)}
-)
+PIPELINE_FIELDS = _own_fields(PipelineConfig)
+# Setting any of these makes the arm's token embedding a PEC table (harness.reference.pec).
+PEC_FIELDS = _own_fields(PECConfig)
 
 
 def is_versioned(train: dict[str, Any]) -> bool:
@@ -28,9 +35,18 @@ def is_versioned(train: dict[str, Any]) -> bool:
     return any(key in train for key in PIPELINE_FIELDS)
 
 
+def is_pec(train: dict[str, Any]) -> bool:
+    """An arm that sets any PEC field runs on PECTrainer."""
+    return any(key in train for key in PEC_FIELDS)
+
+
 def train_config(train: dict[str, Any]) -> TrainConfig:
-    """An arm's fields as the reference's config: a PipelineConfig for a versioned arm."""
-    return PipelineConfig(**train) if is_versioned(train) else TrainConfig(**train)
+    """An arm's fields as the reference's config: a PipelineConfig for a versioned arm, a PECConfig for a PEC arm."""
+    if is_versioned(train) and is_pec(train):
+        raise ValueError(f"a PEC arm ({', '.join(PEC_FIELDS)}) has no delayed pipeline ({', '.join(PIPELINE_FIELDS)})")
+    if is_versioned(train):
+        return PipelineConfig(**train)
+    return PECConfig(**train) if is_pec(train) else TrainConfig(**train)
 
 
 @dataclass(frozen=True)

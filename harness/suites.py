@@ -39,6 +39,7 @@ from harness.compare import tier_from_spec
 from harness.records import METRIC_COLUMNS
 from harness.reference.hf_config import HF_BASE, HFConfigError, hf_config_fields
 from harness.reference.model import CONFIGS, DeepseekV3Config, get_config
+from harness.reference.pec import PECConfig
 from harness.reference.pipeline import PipelineConfig
 from harness.reference.train import TrainConfig
 from harness.specs import PIPELINE_FIELDS, ArmSpec, CheckSpec, DebugSpec, SuiteSpec, train_config
@@ -60,11 +61,11 @@ def _value_type(hint: Any) -> type:
     return next((arg for arg in typing.get_args(hint) if arg is not type(None)), hint)
 
 
-# PipelineConfig fields (TrainConfig's and the pipeline's) a suite may set in [train] or [arms.X];
-# the model comes from [model] and the device from --device, so that one suite file runs anywhere.
+# TrainConfig fields, the pipeline's and PEC's, that a suite may set in [train] or [arms.X]; the model
+# comes from [model] and the device from --device, so that one suite file runs anywhere.
 _TRAIN_FIELDS: dict[str, type] = {
     name: _value_type(hint)
-    for name, hint in typing.get_type_hints(PipelineConfig).items()
+    for name, hint in (typing.get_type_hints(PipelineConfig) | typing.get_type_hints(PECConfig)).items()
     if name not in ("model", "model_overrides", "device")
 }
 # Sizes and rates that must be positive; other numbers need only be non-negative ints or finite

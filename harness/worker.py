@@ -4,7 +4,9 @@ Runs each arm of the group in turn, re-seeded identically, and streams what the 
 judges: ``arms/<arm>/metrics.jsonl`` and ``digests.jsonl`` (process rank 0, for logical rank 0),
 ``arm.json`` and, for a traced arm, ``graph.json`` (its scheduled exchange ops; process rank 0),
 and ``events.rank<k>.jsonl`` and ``ranks.rank<k>.jsonl`` (the process hosting logical rank k; see
-:mod:`harness.digests`). Every line is flushed, so a crash leaves every finished step on disk.
+:mod:`harness.digests`), and for a PEC arm ``pec.rank<k>.jsonl`` (its table's lookups, gradient
+all-to-all starts and applies; see :mod:`harness.reference.pec`). Every line is flushed, so a
+crash leaves every finished step on disk.
 After the arm's last update, the process hosting each logical rank of a reference trainer writes
 ``weights.rank<k>.json``: a hash of each of its parameters (:func:`harness.digests.final_weights`),
 so final weights compare bit for bit.
@@ -42,6 +44,7 @@ from harness.digests import HASH_EVERY, digest_all, final_weights, parameters_ha
 from harness.records import JsonlWriter, write_json_atomic
 from harness.reference.delayed_oracle import DelayedOracleTrainer
 from harness.reference.ep.exchange import EventSink
+from harness.reference.pec import PECConfig, PECSink, PECTrainer
 from harness.reference.pipeline import PipelineConfig, VersionedTrainer
 from harness.reference.train import GradSink, RankUpdate, TrainConfig, Trainer, UpdateSink
 from harness.specs import train_config
@@ -173,8 +176,11 @@ def make_trainer(
     grad_sink: GradSink,
     update_sink: UpdateSink,
     fidelity_sink: Callable[[dict], None] | None,
+    pec_sink: PECSink | None = None,
+    steps: int = 1,
 ) -> Trainer | VersionedTrainer | HFLockstep:
-    """The arm's trainer; transformers is imported only by an arm that trains against it."""
+    """The arm's trainer; transformers is imported only by an arm that trains against it. A PEC
+    trainer must know its last batch (``steps``): that is where it drains."""
     sinks = {"event_sink": event_sink, "grad_sink": grad_sink, "update_sink": update_sink}
     if oracle == "hf":
         from harness.oracles.hf import HFLockstep
@@ -182,6 +188,8 @@ def make_trainer(
         return HFLockstep(config, **sinks, fidelity_sink=fidelity_sink)
     if isinstance(config, PipelineConfig):
         return PIPELINE_TRAINERS[config.trainer](config, **sinks)
+    if isinstance(config, PECConfig):
+        return PECTrainer(config, **sinks, pec_sink=pec_sink, batches=steps)
     return Trainer(config, **sinks)
 
 
@@ -207,6 +215,8 @@ def run_arm(run_dir: Path, arm: str, spec: dict[str, Any], steps: int, debug: di
             grad_sink=recorder.grads,
             update_sink=recorder.update,
             fidelity_sink=fidelity.write if fidelity else None,
+            pec_sink=lambda logical_rank, event: files.write(f"pec.rank{logical_rank}.jsonl", event),
+            steps=steps,
         )
         stack.callback(trainer.close)
         if rank == 0:

@@ -148,11 +148,18 @@ class _Replica:
     """One logical rank: its model (dense weights replicated, its own experts), optimizer, exchange."""
 
     def __init__(
-        self, config: TrainConfig, group: LogicalGroup, rank: int, device: torch.device, sink: EventSink | None
+        self,
+        config: TrainConfig,
+        group: LogicalGroup,
+        rank: int,
+        device: torch.device,
+        sink: EventSink | None,
+        prepare_model: Callable[[int, DeepseekV3ForCausalLM], None],
     ) -> None:
         cfg = config.model_config()
         self.model = DeepseekV3ForCausalLM(cfg, ep_rank=rank, ep_size=config.ep)
         self.model.init_weights(torch.Generator().manual_seed(config.seed))
+        prepare_model(rank, self.model)
         self.model.set_forced_balanced(config.routing == "forced-balanced")
         self.model.to(device=device, dtype=DTYPES[config.dtype])
         if config.compile_attention and config.chunking not in TRACED:  # traced arms compile graph regions
@@ -183,13 +190,14 @@ class _Replica:
             device=device,
             event_sink=sink,
         )
+        # Parameters autograd trains; a frozen one (PEC's embedding shard) has its own optimizer.
+        named = {n: p for n, p in self.model.named_parameters() if p.requires_grad}
         self.expert_params = self.model.expert_parameters()
         expert_ids = {id(p) for p in self.expert_params}
-        self.dense_params = [p for p in self.model.parameters() if id(p) not in expert_ids]
-        named = dict(self.model.named_parameters())
+        self.dense_params = [p for p in named.values() if id(p) not in expert_ids]
         self.named_dense = {n: p for n, p in named.items() if id(p) not in expert_ids}
         self.named_experts = {n: p for n, p in named.items() if id(p) in expert_ids}
-        self.params = list(self.model.parameters())
+        self.params = list(named.values())
         self.buffers = list(self.model.buffers())
         self.optimizer = torch.optim.AdamW(self.params, lr=config.lr, foreach=False)
 
@@ -212,10 +220,16 @@ class Trainer:
         self.logical_ranks = self.group.local_ranks
         self.device = self._device()
         self.cfg = config.model_config()
-        self.replicas = {r: _Replica(config, self.group, r, self.device, event_sink) for r in self.logical_ranks}
+        self.replicas = {
+            r: _Replica(config, self.group, r, self.device, event_sink, self._prepare_model) for r in self.logical_ranks
+        }
         self.moe_layers = self.replicas[self.logical_ranks[0]].model.moe_layers
         self.graph_step = self._build_graph_step() if config.chunking in TRACED else None
         self._threads = ThreadPoolExecutor(len(self.logical_ranks)) if len(self.logical_ranks) > 1 else None
+
+    def _prepare_model(self, rank: int, model: DeepseekV3ForCausalLM) -> None:
+        """Called on each logical rank's freshly initialised model, before chunking and the optimizer:
+        where a subclass swaps in a module of its own (PEC's sharded embedding)."""
 
     def _device(self) -> torch.device:
         if self.config.device != "cuda":
@@ -294,12 +308,27 @@ class Trainer:
                 loss, grads = self.graph_step(replica.params, replica.buffers, inputs, labels)
                 for p, g in zip(replica.params, grads):
                     p.grad = g.contiguous()  # the layout eager autograd gives a fresh .grad
+        self._reduce_gradients(rank, step)
+        grad_norm = self._optimizer_step(rank)
+        return self._finish_step(rank, step, loss, grad_norm)
+
+    def _reduce_gradients(self, rank: int, step: int) -> None:
+        """Sum the replicated gradients over logical ranks (data parallel) and hand them to the grad sink."""
+        replica = self.replicas[rank]
         self._sum_dense_grads(rank, replica)
         if self.grad_sink is not None:
-            self.grad_sink(rank, step, {n: p.grad for n, p in replica.model.named_parameters()})
+            self.grad_sink(rank, step, {n: p.grad for n, p in replica.model.named_parameters() if p.requires_grad})
+
+    def _optimizer_step(self, rank: int) -> torch.Tensor:
+        """Clip by the global norm, step AdamW, drop the gradients; returns the norm before clipping."""
+        replica = self.replicas[rank]
         grad_norm = self._clip_by_global_norm(rank, replica)
         replica.optimizer.step()
         replica.optimizer.zero_grad(set_to_none=True)
+        return grad_norm
+
+    def _finish_step(self, rank: int, step: int, loss: torch.Tensor, grad_norm: torch.Tensor) -> tuple[float, float]:
+        """The step's global loss (this rank's loss summed over logical ranks in order), reported with the norm."""
         losses = self.group.all_gather(rank, loss.detach().float().reshape(()))
         global_loss = float(torch.stack(losses).sum() / self.config.ep)
         self._report_update(rank, step, global_loss, float(grad_norm))
@@ -322,7 +351,7 @@ class Trainer:
         per_rank_experts = self.group.all_gather(rank, experts)
         norm = torch.linalg.vector_norm(torch.cat([dense, *per_rank_experts]))
         scale = (self.config.max_norm / (norm + 1e-6)).clamp(max=1.0)
-        for p in replica.model.parameters():
+        for p in replica.params:
             p.grad.mul_(scale.to(p.grad.dtype))
         return norm
 
