@@ -138,7 +138,7 @@ def test_nol_applied_two_batches_late_fails_handoff_and_fresh_lookups() -> None:
     )
     assert results[FRESH].status == "fail"
     assert results[FRESH].detail.startswith(
-        "logical rank 0: lookup of batch 3 (call 3) reads 1 rows ([9]) before the NOL update of batch 1"
+        "logical rank 0: lookup of batch 3 (call 3) reads row 9 before the NOL update of batch 1"
         " is applied (call 3, logical rank 1)"
     )
     assert results[PER_CALL].status == "fail"  # call 2 starts only OL 2; call 4 drains two NOLs
@@ -169,7 +169,7 @@ def test_an_ol_row_classed_nol_is_read_stale_by_the_next_batch() -> None:
     results = _results(pec_events(fault="ol-as-nol"))
     assert results[FRESH].status == "fail"
     assert results[FRESH].detail.startswith(
-        "logical rank 0: lookup of batch 2 (call 2) reads 1 rows ([1]) before the NOL update of batch 1"
+        "logical rank 0: lookup of batch 2 (call 2) reads row 1 before the NOL update of batch 1"
         " is applied (call 2, logical rank 0)"
     )
     assert results[FRESH].first_divergent_step == 2

@@ -56,7 +56,7 @@ from collections.abc import Callable
 from harness.checks.registry import CheckFamily, Problem, SuiteReader, problems_result, qualifying_arms, register
 from harness.compare import CheckResult
 from harness.records import ArmRecords
-from harness.specs import ArmSpec, CheckSpec, SuiteSpec
+from harness.specs import PEC_FIELDS, ArmSpec, CheckSpec, SuiteSpec, is_pec
 
 KIND = "pec-invariants"
 NO_AUTOGRAD = "pec:no-autograd-start"
@@ -68,7 +68,6 @@ FRESH = "pec:fresh-lookups"
 INVARIANTS = (NO_AUTOGRAD, ONE_EACH, PER_CALL, OL_WINDOW, NOL_HANDOFF, FRESH)
 
 PIPELINED, SEQUENTIAL, LEGACY = "pipelined", "sequential", "legacy"
-TRAINERS = (PIPELINED, SEQUENTIAL, LEGACY)  # the reference's `pec` field; any other value is no PEC
 OPS = ("lookup", "start", "apply", "backward_done", "optimizer_step")
 PARTS = ("OL", "NOL")
 _GRADIENT_OPS = ("start", "apply")
@@ -318,6 +317,13 @@ def check_nol_handoff(events: RankEvents, trainer: str, batches: int) -> CheckRe
     return problems_result(NOL_HANDOFF, KIND, problems, f"{trainer}: OL N in call N, NOL N in {when}")
 
 
+def _rows(rows: list[int]) -> str:
+    """``row 7`` or ``3 rows (2, 7, 9)``, at most five listed."""
+    if len(rows) == 1:
+        return f"row {rows[0]}"
+    return f"{len(rows)} rows ({', '.join(map(str, rows[:5]))}{', ...' if len(rows) > 5 else ''})"
+
+
 def _signature(e: Event) -> tuple:
     return e["call"], e["op"], e["batch"], e["part"], e["module"]
 
@@ -367,8 +373,8 @@ def check_fresh_lookups(events: RankEvents, trainer: str, batches: int) -> Check
         problems.append(
             (
                 lookup["batch"],
-                f"logical rank {rank}: lookup of batch {lookup['batch']} (call {lookup['call']}) reads {len(rows)}"
-                f" rows ({rows[:5]}) before the {update['part']} update of batch {update['batch']} is applied"
+                f"logical rank {rank}: lookup of batch {lookup['batch']} (call {lookup['call']}) reads {_rows(rows)}"
+                f" before the {update['part']} update of batch {update['batch']} is applied"
                 f" (call {update['call']}, logical rank {owner})",
             )
         )
@@ -401,7 +407,8 @@ def check_pec(events: RankEvents, trainer: str, batches: int) -> list[CheckResul
 
 
 def _pec_trainer(spec: ArmSpec) -> str | None:
-    return spec.train.get("pec") if spec.train.get("pec") in TRAINERS else None
+    """The trainer driving the arm's PEC table, or None for an arm without one."""
+    return spec.train["pec"] if is_pec(spec.train) else None
 
 
 def parse(kind: str, raw: dict, dotted: str, v: SuiteReader, arms: dict[str, ArmSpec]) -> CheckSpec:
@@ -409,7 +416,7 @@ def parse(kind: str, raw: dict, dotted: str, v: SuiteReader, arms: dict[str, Arm
     name = v.check_name(raw["name"], f"{dotted}.name") if "name" in raw else KIND
 
     def problem(spec: ArmSpec) -> str | None:
-        return None if _pec_trainer(spec) else f"has no PEC trainer (pec is none of {', '.join(TRAINERS)})"
+        return None if _pec_trainer(spec) else f"has no PEC table (it sets none of {', '.join(PEC_FIELDS)})"
 
     return CheckSpec(kind, name, qualifying_arms(v, raw, dotted, arms, problem, "an arm with a PEC trainer"))
 
