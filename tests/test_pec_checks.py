@@ -3,7 +3,10 @@ three trainers promise and fails on the bug it exists for, naming batch, part an
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
+from suite_files import suite_from
 
 from harness.checks.pec import (
     FRESH,
@@ -16,6 +19,7 @@ from harness.checks.pec import (
     check_pec,
     expected_starts,
 )
+from harness.suites import SuiteError
 
 MODULE = "model.embed_tokens"
 VOCAB = 16
@@ -246,3 +250,25 @@ def test_malformed_events_make_every_invariant_an_error(change: dict, reason: st
     assert {r.status for r in results} == {"error"}
     assert results[0].detail.startswith(f"malformed events: logical rank 1 event {start}: ")
     assert reason in results[0].detail
+
+
+PEC_SUITE = """
+name = "pec-arms"
+description = "a PEC arm and a plain one"
+ranks = 2
+steps = 3
+[arms.pipelined]
+pec = "pipelined"
+[arms.plain]
+[[checks]]
+kind = "pec-invariants"
+"""
+
+
+def test_pec_invariants_read_every_pec_arm_and_refuse_an_arm_without_a_table(tmp_path: Path) -> None:
+    check = suite_from(tmp_path, PEC_SUITE).checks[0]
+    assert (check.kind, check.name, check.arms) == ("pec-invariants", "pec-invariants", ("pipelined",))
+    with pytest.raises(SuiteError, match='checks.0.arms.0: arm "plain" has no PEC table'):
+        suite_from(tmp_path, PEC_SUITE + 'arms = ["plain"]\n')
+    with pytest.raises(SuiteError, match="checks.0: needs an arm with a PEC table; the suite has none"):
+        suite_from(tmp_path, PEC_SUITE.replace('pec = "pipelined"\n', ""))

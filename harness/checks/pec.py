@@ -418,7 +418,7 @@ def parse(kind: str, raw: dict, dotted: str, v: SuiteReader, arms: dict[str, Arm
     def problem(spec: ArmSpec) -> str | None:
         return None if _pec_trainer(spec) else f"has no PEC table (it sets none of {', '.join(PEC_FIELDS)})"
 
-    return CheckSpec(kind, name, qualifying_arms(v, raw, dotted, arms, problem, "an arm with a PEC trainer"))
+    return CheckSpec(kind, name, qualifying_arms(v, raw, dotted, arms, problem, "an arm with a PEC table"))
 
 
 def run(check: CheckSpec, suite: SuiteSpec, records: dict[str, ArmRecords]) -> list[CheckResult]:
