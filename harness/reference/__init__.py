@@ -21,4 +21,7 @@ one small seam, defined in :mod:`harness.reference.train`:
 * ``pipeline.PipelineConfig`` / ``pipeline.VersionedTrainer``: the same seam for the delayed,
   versioned pipeline (``step(batch)`` per tick, ``drain()`` at the end; records add ages,
   applied batches and correction statistics).
+* ``pec.PECConfig`` / ``pec.PECTrainer(config, ..., pec_sink=None, batches=B)``: the token embedding
+  as a PEC table; ``step(batch)`` for batches 1..B in order (the last one drains);
+  ``pec_sink(logical_rank, event)`` gets its lookups, gradient all-to-all starts and applies.
 """

@@ -67,7 +67,6 @@ PEC_FAULTS = ("none", "nol-two-late", "ol-before-backward", "no-drain", "ol-as-n
 PEC_CHUNKINGS = ("none", "eager")
 MODULE = "model.embed_tokens"
 ADAGRAD_EPS = 1e-8  # fbgemm's default for row-wise Adagrad
-PARTS = ("OL", "NOL")
 
 # Called with (logical rank, event) for every PEC event of that rank, on its thread.
 PECSink = Callable[[int, dict], None]
@@ -213,7 +212,8 @@ class ShardedEmbedding(nn.Module):
         """Start sending ``send_counts[d]`` rows of ``send`` to logical rank ``d``; the receive counts
         are exchanged first unless given. Returns the receive buffer, its counts and the exchange."""
         if recv_counts is None:
-            counts = self.group.all_gather(self.rank, torch.tensor(send_counts, dtype=torch.int64))
+            sizes = torch.tensor(send_counts, dtype=torch.int64, device=send.device)  # nccl gathers on the GPU
+            counts = self.group.all_gather(self.rank, sizes)
             recv_counts = [int(c[self.rank]) for c in counts]
         out = send.new_empty((sum(recv_counts), *send.shape[1:]))
         return out, recv_counts, self.group.all_to_all(self.rank, send, send_counts, recv_counts, out)
@@ -298,10 +298,6 @@ class PECGradientApply:
     def __init__(self, table: ShardedEmbedding, batch: int, part: str, ids: torch.Tensor, grads: torch.Tensor) -> None:
         self.table, self.batch, self.part, self.ids, self.grads = table, batch, part, ids, grads
         self._in_flight: tuple[torch.Tensor, list[int], torch.Tensor, list[PendingExchange]] | None = None
-
-    @property
-    def started(self) -> bool:
-        return self._in_flight is not None
 
     def dist(self) -> None:
         """Start the asynchronous all-to-all of the gradient rows to their owners; idempotent."""
@@ -450,7 +446,7 @@ class PECTrainer(Trainer):
             present = torch.zeros(self.cfg.vocab_size, dtype=torch.uint8)
             if batch >= 1:
                 present[self.data[rank].batch(batch)[0].flatten()] = 1
-            everywhere = torch.stack(self.group.all_gather(rank, present)).amax(0)
+            everywhere = torch.stack(self.group.all_gather(rank, present.to(self.device))).amax(0)
             known[batch] = everywhere.nonzero().flatten().to(self.device)
         for old in [b for b in known if b < batch - 2]:
             del known[old]
