@@ -68,11 +68,14 @@ class ArmSpec:
 
     def non_defaults(self) -> dict[str, Any]:
         """The fields this arm sets away from the defaults of its config class (what a golden's
-        config records), and a versioned arm's ``trainer``, so that a field added later with a
-        default that keeps the old behaviour leaves older goldens valid."""
-        defaults = dataclasses.asdict(PipelineConfig() if self.versioned else TrainConfig())
+        config records), and a versioned arm's ``trainer`` or a PEC arm's ``pec``, so that a field
+        added later with a default that keeps the old behaviour leaves older goldens valid."""
+        config_class = type(train_config(self.train))
+        defaults = dataclasses.asdict(config_class())
         differing = {k: v for k, v in self.train.items() if k not in defaults or defaults[k] != v}
-        return {"trainer": self.train["trainer"], **differing} if self.versioned else differing
+        if self.versioned:
+            return {"trainer": self.train["trainer"], **differing}
+        return {"pec": self.train["pec"], **differing} if is_pec(self.train) else differing
 
 
 @dataclass(frozen=True)
