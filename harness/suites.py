@@ -42,7 +42,7 @@ from harness.reference.model import CONFIGS, DeepseekV3Config, get_config
 from harness.reference.pec import PECConfig
 from harness.reference.pipeline import PipelineConfig
 from harness.reference.train import TrainConfig
-from harness.specs import PIPELINE_FIELDS, ArmSpec, CheckSpec, DebugSpec, SuiteSpec, train_config
+from harness.specs import ArmSpec, CheckSpec, DebugSpec, SuiteSpec, train_config
 
 SUITES_DIR = Path(__file__).resolve().parent.parent / "suites"
 MAX_RANKS = 8
@@ -466,11 +466,7 @@ class _Validator:
     def oracle(self, value: Any, dotted: str, config: TrainConfig) -> str:
         """An oracle the arm's configuration has a counterpart in, and whose package is installed."""
         oracle = self.str_(value, dotted, oracles.ORACLES)
-        if isinstance(config, PipelineConfig):
-            raise self.error(
-                dotted, f"needs a plain arm: the oracle has no delayed pipeline (unset {', '.join(PIPELINE_FIELDS)})"
-            )
-        problem = oracles.unsupported(dataclasses.asdict(config)) or oracles.missing_dependency()
+        problem = oracles.unsupported(config) or oracles.missing_dependency()
         if problem:
             raise self.error(dotted, problem)
         return oracle

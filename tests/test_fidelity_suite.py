@@ -128,7 +128,9 @@ def _error(tmp_path: Path, text: str) -> str:
         ('[[checks]]\nkind = "fidelity"\n[arms.hf2]\noracle = "hf"\nrouting = "forced-balanced"',
          'arms.hf2.oracle: needs routing = "learned": Hugging Face has no forced-balanced routing'),
         ('[[checks]]\nkind = "fidelity"\n[arms.hf2]\noracle = "hf"\ndelay = 1',
-         "arms.hf2.oracle: needs a plain arm: the oracle has no delayed pipeline"),
+         "arms.hf2.oracle: needs a plain arm: Hugging Face has no delayed pipeline or PEC embedding"),
+        ('[[checks]]\nkind = "fidelity"\n[arms.hf2]\noracle = "hf"\npec = "pipelined"',
+         "arms.hf2.oracle: needs a plain arm: Hugging Face has no delayed pipeline or PEC embedding"),
         ('[[checks]]\nkind = "fidelity"\n[arms.hf2]\noracle = "jax"', "arms.hf2.oracle: expected one of hf"),
         ('[[checks]]\nkind = "fidelity"\n[arms.hf2]\nmodel = "cpu-huge"', "arms.hf2.model: expected one of"),
     ],
@@ -139,6 +141,13 @@ def test_fidelity_suite_mistakes_are_one_line_naming_the_field(tmp_path: Path, e
 
 
 @needs_transformers
+@needs_transformers
+def test_an_oracle_arm_is_refused_where_a_model_override_leaves_hugging_face(tmp_path: Path) -> None:
+    text = SUITE.replace('config = "cpu-tiny-learned"', 'config = "cpu-tiny-learned"\nscoring_func = "softmax"')
+    message = _error(tmp_path, text + '[[checks]]\nkind = "fidelity"')
+    assert message == "FILE: arms.hf.oracle: needs a model with sigmoid scoring: Hugging Face has no softmax"
+
+
 def test_without_an_oracle_arm_the_check_is_refused(tmp_path: Path) -> None:
     text = SUITE.replace('oracle = "hf"\n', "") + '[[checks]]\nkind = "fidelity"'
     assert _error(tmp_path, text) == 'FILE: checks.0: needs an arm with an oracle (oracle = "hf"); the suite has none'

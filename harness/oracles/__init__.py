@@ -9,9 +9,8 @@ refused before anything is launched.
 from __future__ import annotations
 
 import importlib.util
-from typing import Any
 
-from harness.reference.model import get_config
+from harness.reference.train import TrainConfig
 
 ORACLES = ("hf",)
 INSTALL_HINT = "pip install 'harness[fidelity]'"
@@ -26,13 +25,17 @@ def missing_dependency() -> str | None:
     return None if found else f"needs transformers, which is not installed: {INSTALL_HINT}"
 
 
-def unsupported(train: dict[str, Any]) -> str | None:
+def unsupported(config: TrainConfig) -> str | None:
     """Why an arm's configuration has no Hugging Face counterpart, or None.
 
-    transformers routes by sigmoid scores, group-limited top-k, and updates no delayed pipeline.
+    transformers routes by sigmoid scores and group-limited top-k, and trains one dense model:
+    no delayed pipeline, no row-wise sharded embedding.
     """
-    if train["routing"] != "learned":
-        return f'needs routing = "learned": Hugging Face has no {train["routing"]} routing'
-    if get_config(train["model"]).scoring_func != "sigmoid":
-        return f"needs a model with sigmoid scoring: Hugging Face has no {get_config(train['model']).scoring_func}"
+    if type(config) is not TrainConfig:
+        return "needs a plain arm: Hugging Face has no delayed pipeline or PEC embedding (unset their fields)"
+    if config.routing != "learned":
+        return f'needs routing = "learned": Hugging Face has no {config.routing} routing'
+    scoring = config.model_config().scoring_func
+    if scoring != "sigmoid":
+        return f"needs a model with sigmoid scoring: Hugging Face has no {scoring}"
     return None
