@@ -9,18 +9,9 @@ Both trainers are built (and the graph arm traced) before timing starts; then bl
 from __future__ import annotations
 
 import argparse
-import itertools
-import time
 
-from harness.abba import measure_abba
+from harness.abba import abba_step_time
 from harness.reference.train import TrainConfig, Trainer
-
-
-def timed_steps(trainer: Trainer, counter: itertools.count, steps: int) -> float:
-    start = time.perf_counter()
-    for _ in range(steps):
-        trainer.step(next(counter))
-    return (time.perf_counter() - start) / steps
 
 
 def main() -> None:
@@ -30,14 +21,7 @@ def main() -> None:
     parser.add_argument("--chunks", type=int, default=2)
     args = parser.parse_args()
     trainers = {name: Trainer(TrainConfig(ep=2, chunking=name, chunks=args.chunks)) for name in ("eager", "graph")}
-    counters = {name: itertools.count() for name in trainers}
-    for name in trainers:  # warm-up outside the measurement
-        timed_steps(trainers[name], counters[name], 2)
-    result = measure_abba(
-        lambda: timed_steps(trainers["eager"], counters["eager"], args.steps),
-        lambda: timed_steps(trainers["graph"], counters["graph"], args.steps),
-        args.blocks,
-    )
+    result = abba_step_time(trainers["eager"], trainers["graph"], blocks=args.blocks, steps=args.steps)
     print(f"step time, cpu-tiny EP=2 in-process, {args.chunks} chunks")
     print(result.summary("eager", "graph"))
     for trainer in trainers.values():

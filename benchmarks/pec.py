@@ -14,22 +14,13 @@ run of ``--count-batches`` batches that fills and drains.
 from __future__ import annotations
 
 import argparse
-import itertools
-import time
 from collections import Counter
 
-from harness.abba import measure_abba
+from harness.abba import abba_step_time
 from harness.reference.pec import PECConfig, PECTrainer
 
 TRAINERS = ("sequential", "pipelined")
 SHAPE = {"ep": 2, "local_batch": 4, "seq_len": 32}
-
-
-def timed_steps(trainer: PECTrainer, counter: itertools.count, steps: int) -> float:
-    start = time.perf_counter()
-    for _ in range(steps):
-        trainer.step(next(counter))
-    return (time.perf_counter() - start) / steps
 
 
 def starts_per_call(pec: str, batches: int) -> list[int]:
@@ -60,13 +51,8 @@ def main() -> None:
         print(f"{pec}: gradient all-to-all starts per call (logical rank 0): {counts}, {sum(counts)} in all")
     batches = (args.blocks * 4 + 1) * args.steps + 2  # every measured call is a steady-state one
     trainers = {pec: PECTrainer(PECConfig(**SHAPE, pec=pec), batches=batches) for pec in TRAINERS}
-    counters = {pec: itertools.count(1) for pec in TRAINERS}
-    for pec in TRAINERS:  # warm-up outside the measurement
-        timed_steps(trainers[pec], counters[pec], 2)
-    result = measure_abba(
-        lambda: timed_steps(trainers["sequential"], counters["sequential"], args.steps),
-        lambda: timed_steps(trainers["pipelined"], counters["pipelined"], args.steps),
-        args.blocks,
+    result = abba_step_time(
+        trainers["sequential"], trainers["pipelined"], blocks=args.blocks, steps=args.steps, first_step=1
     )
     print(f"step time, cpu-tiny EP=2 in-process, PEC token embedding ({SHAPE})")
     print(result.summary("sequential", "pipelined"))

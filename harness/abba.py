@@ -9,10 +9,12 @@ noise flag when the spread within an arm is large (torch.utils.benchmark's IQR/m
 
 from __future__ import annotations
 
+import itertools
 import math
 import statistics
+import time
 from dataclasses import dataclass
-from typing import Callable, Sequence
+from typing import Callable, Protocol, Sequence
 
 from scipy import stats
 
@@ -77,3 +79,29 @@ def measure_abba(run_a: Callable[[], float], run_b: Callable[[], float], blocks:
     order = abba_order(blocks)
     values = [(run_a if arm == "A" else run_b)() for arm in order]
     return paired_ratio(order, values)
+
+
+class Steppable(Protocol):
+    """A trainer: ``step(n)`` trains one step (the reference's trainers all qualify)."""
+
+    def step(self, step: int) -> object: ...
+
+
+def abba_step_time(
+    trainer_a: Steppable, trainer_b: Steppable, *, blocks: int, steps: int, warmup: int = 2, first_step: int = 0
+) -> PairedRatio:
+    """Seconds per ``step()`` of two already built trainers, B over A, in ABBA blocks of ``steps``.
+
+    Each trainer keeps training its own model across its blocks (its own step counter, from
+    ``first_step``), after ``warmup`` untimed steps each, so that build and trace stay outside."""
+    counters = {id(t): itertools.count(first_step) for t in (trainer_a, trainer_b)}
+
+    def timed(trainer: Steppable, count: int) -> float:
+        start = time.perf_counter()
+        for _ in range(count):
+            trainer.step(next(counters[id(trainer)]))
+        return (time.perf_counter() - start) / max(count, 1)
+
+    for trainer in (trainer_a, trainer_b):
+        timed(trainer, warmup)
+    return measure_abba(lambda: timed(trainer_a, steps), lambda: timed(trainer_b, steps), blocks)

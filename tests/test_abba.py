@@ -4,7 +4,7 @@ import math
 
 import pytest
 
-from harness.abba import abba_order, measure_abba, paired_ratio
+from harness.abba import abba_order, abba_step_time, measure_abba, paired_ratio
 
 
 def test_order_is_whole_abba_blocks() -> None:
@@ -44,3 +44,21 @@ def test_noise_flag_and_bad_input() -> None:
     assert paired_ratio(order, [1, 1, 1, 1, 1, 3, 3, 1]).noisy
     with pytest.raises(ValueError, match="whole ABBA blocks"):
         paired_ratio(order[:6], [1.0] * 6)
+
+
+class _Recorder:
+    """A trainer that only remembers which steps it was asked to train, in order."""
+
+    def __init__(self) -> None:
+        self.steps: list[int] = []
+
+    def step(self, step: int) -> None:
+        self.steps.append(step)
+
+
+def test_abba_step_time_trains_each_trainer_on_its_own_consecutive_steps() -> None:
+    a, b = _Recorder(), _Recorder()
+    result = abba_step_time(a, b, blocks=3, steps=4, warmup=2, first_step=1)
+    # 2 warm-up steps, then 3 blocks of A B B A: each trainer runs 2 measurements of 4 steps per block.
+    assert a.steps == b.steps == list(range(1, 1 + 2 + 3 * 2 * 4))
+    assert result.blocks == 3
