@@ -19,6 +19,7 @@ from typing import Callable, Protocol, Sequence
 from scipy import stats
 
 BLOCK = ("A", "B", "B", "A")
+NOISY_IQR = 0.10  # relative IQR within an arm above which a comparison is flagged noisy
 
 
 def abba_order(blocks: int) -> list[str]:
@@ -45,7 +46,8 @@ class PairedRatio:
         )
 
 
-def _relative_iqr(values: Sequence[float]) -> float:
+def relative_iqr(values: Sequence[float]) -> float:
+    """(Q3 - Q1) / median: the spread torch.utils.benchmark flags above 10%."""
     q1, _, q3 = statistics.quantiles(values, n=4)
     return (q3 - q1) / statistics.median(values)
 
@@ -70,7 +72,7 @@ def paired_ratio(order: Sequence[str], values: Sequence[float], confidence: floa
     else:
         half = math.inf
     per_arm = [[v for arm, v in zip(order, values) if arm == name] for name in ("A", "B")]
-    noisy = any(len(v) >= 4 and _relative_iqr(v) > 0.10 for v in per_arm)
+    noisy = any(len(v) >= 4 and relative_iqr(v) > NOISY_IQR for v in per_arm)
     return PairedRatio(math.exp(mean), math.exp(mean - half), math.exp(mean + half), len(log_ratios), confidence, noisy)
 
 

@@ -23,13 +23,13 @@ from harness.run import EXIT_INFRA, EXIT_PASS, EXIT_USAGE, GOLDEN_DIR, RunOption
 from harness.suites import SuiteError, list_suites, load_suite
 
 
-def _add_run_arguments(parser: argparse.ArgumentParser) -> None:
+def _add_run_arguments(parser: argparse.ArgumentParser, steps_help: str = "training steps per arm") -> None:
     parser.add_argument("suite", metavar="SUITE", help="a suite name under suites/, or a path to a suite file")
     # --ranks and --steps go through the suite validator (as "--set ranks=N"), so their errors read alike.
     parser.add_argument(
         "--ranks", metavar="N", help="processes of the suite's multi-process arms, and the EP degree (1-8)"
     )
-    parser.add_argument("--steps", metavar="N", help="training steps per arm")
+    parser.add_argument("--steps", metavar="N", help=steps_help)
     parser.add_argument(
         "--device", choices=("cpu", "cuda"), default="cpu", help="cpu: gloo; cuda: nccl, one GPU per rank"
     )
@@ -80,6 +80,22 @@ def build_parser() -> argparse.ArgumentParser:
     _add_run_arguments(
         golden_commands.add_parser("update", help="run a suite and record its golden for this environment")
     )
+    abba = commands.add_parser(
+        "abba",
+        help="time arm B against arm A in ABBA blocks and gate on the slowdown",
+        description="Step time of arm B over arm A, in A B B A blocks in the same rank processes, with a"
+        " Student-t interval. Exit 0: B is not slower beyond --max-slowdown; 1: it is, with confidence;"
+        " 4: inconclusive (the interval straddles the threshold: rerun with more --blocks).",
+    )
+    _add_run_arguments(abba, steps_help="timed steps per block position (default 5)")
+    abba.add_argument("--a", metavar="ARM", help="the baseline arm (default: the suite's [throughput] a)")
+    abba.add_argument("--b", metavar="ARM", help="the arm under test; may be A itself (a second copy)")
+    abba.add_argument("--blocks", metavar="K", help="ABBA blocks (default 4; at least 2)")
+    abba.add_argument("--warmup", metavar="W", help="untimed steps per arm after its build (default 2)")
+    abba.add_argument(
+        "--max-slowdown", metavar="F", help="the gate: B/A step time at most 1 + F, with confidence (default 0.05)"
+    )
+    abba.add_argument("--control", action="store_true", help="also time A against a copy of A: the noise floor")
     report = commands.add_parser("report", help="re-render report.html and junit.xml of a run directory")
     report.add_argument("run_dir", type=Path, metavar="RUN_DIR")
     doctor = commands.add_parser(
@@ -95,15 +111,35 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+# harness abba's flags that set [throughput] fields of the same name (--steps sets throughput.steps).
+_ABBA_FIELDS = ("a", "b", "blocks", "warmup", "max_slowdown")
+
+
 def _overrides(args: argparse.Namespace) -> list[tuple[str, str]]:
+    """The flags that set suite fields, as (flag, "key=value") overrides the suite validator checks."""
+    abba = args.command == "abba"
+    fields = {"ranks": "ranks", "steps": "throughput.steps" if abba else "steps"}
+    if abba:
+        fields.update({name: f"throughput.{name}" for name in _ABBA_FIELDS})
     flags = [
-        (f"--{name}", f"{name}={getattr(args, name)}") for name in ("ranks", "steps") if getattr(args, name) is not None
+        (f"--{name.replace('_', '-')}", f"{key}={_toml(name, getattr(args, name))}")
+        for name, key in fields.items()
+        if getattr(args, name) is not None
     ]
+    if abba and args.control:
+        flags.append(("--control", "throughput.control=true"))
     return flags + [("--set", item) for item in args.overrides]
+
+
+def _toml(flag: str, value: str) -> str:
+    """Arm names are TOML strings; numbers stay as typed, so the validator reports "two" as not an int."""
+    return f'"{value}"' if flag in ("a", "b") else value
 
 
 def _run(args: argparse.Namespace, argv: list[str], golden: str) -> int:
     suite = load_suite(args.suite, _overrides(args), device=args.device)
+    if args.command == "abba" and suite.throughput is None:
+        raise UsageError(f"harness abba: suite {suite.name} has no [throughput] table; name the arms with --a and --b")
     if not (args.timeout > 0 and math.isfinite(args.timeout)):  # also rejects nan
         raise UsageError(f"--timeout: expected a finite number of seconds > 0, got {args.timeout:g}")
     options = RunOptions(
@@ -155,6 +191,8 @@ def _command(args: argparse.Namespace, argv: list[str]) -> int:
         return _run(args, argv, args.golden)
     if args.command == "golden":
         return _run(args, argv, "update")
+    if args.command == "abba":
+        return _run(args, argv, "off")
     if args.command == "report":
         return rerender(args.run_dir)
     for key, value in describe_environment(args.golden_dir).items():

@@ -34,6 +34,7 @@ class CheckResult:
     max_abs_diff: float | None = None
     max_rel_diff: float | None = None
     extra: dict = field(default_factory=dict)
+    arms: list[str] = field(default_factory=list)  # the arms it judged
 
     def to_dict(self) -> dict:
         """JSON-ready: numpy scalars become Python ones; floats are kept unrounded."""

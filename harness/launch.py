@@ -33,6 +33,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from torch.distributed.elastic.multiprocessing.api import LogsDest, LogsSpecs
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
@@ -52,12 +53,14 @@ _LOG_TAIL_LINES = 20
 
 @dataclass(frozen=True)
 class LaunchGroup:
-    """Arms sharing a process count: they run in one launch, one after another."""
+    """Arms sharing a process count: they run in one launch, one after another. A throughput
+    run's group instead times the block positions in ``measurements`` (harness/throughput.py)."""
 
     name: str
     ranks: int
     arms: tuple[str, ...]
     log_dir: str  # relative to the run directory
+    measurements: tuple[Any, ...] = ()  # harness.throughput.Measurement
 
     def log(self, rank: int) -> str:
         return f"{self.log_dir}/rank{rank}.log"

@@ -3,7 +3,9 @@
 Exit codes are the CI contract: 0 every check passed; 1 a check failed (a regression, a rank
 raising from the system under test included, see triage.py); 2 bad usage, suite or input
 (nothing was launched); 3 infrastructure (a rank killed or hung, a timeout, a launch failure, an
-error in the harness itself: a flake, or a crash to look at); 128 + N cancelled by signal N.
+error in the harness itself: a flake, or a crash to look at); 4 inconclusive (a throughput gate
+whose interval straddles its threshold: rerun with more blocks); 128 + N cancelled by signal N.
+A throughput run (harness/throughput.py) has one check, its gate, and no golden.
 Whatever happens after the run directory exists, summary.json, junit.xml and report.html are
 written (in that order), partial records stay on disk, and the harness's own log, with any
 traceback, is logs/harness.log.
@@ -47,14 +49,16 @@ from harness.progress import Progress
 from harness.records import ArmRecords, RecordError, read_arm, read_metrics, write_json_atomic
 from harness.report import format_verdict_table, write_html, write_junit
 from harness.specs import SuiteSpec
+from harness.throughput import judge_throughput, plan_throughput_launches
 from harness.triage import REGRESSION
 
-EXIT_PASS, EXIT_FAIL, EXIT_USAGE, EXIT_INFRA = 0, 1, 2, 3
+EXIT_PASS, EXIT_FAIL, EXIT_USAGE, EXIT_INFRA, EXIT_INCONCLUSIVE = 0, 1, 2, 3, 4
 REPO_ROOT = Path(__file__).resolve().parent.parent
 REPORTS_DIR = REPO_ROOT / "reports"
 # HARNESS_GOLDEN_DIR moves the default golden root (a CI cache, a test's empty directory).
 GOLDEN_DIR = Path(os.environ.get("HARNESS_GOLDEN_DIR", REPO_ROOT / "golden"))
 log = logging.getLogger("harness")
+STATUSES = ("pass", "fail", "error", "skip", "inconclusive")
 
 
 class UsageError(Exception):
@@ -149,6 +153,8 @@ def verdict_of(checks: list[CheckResult]) -> tuple[str, int]:
         return "error", EXIT_INFRA
     if "fail" in statuses:
         return "fail", EXIT_FAIL
+    if "inconclusive" in statuses:
+        return "inconclusive", EXIT_INCONCLUSIVE
     return "pass", EXIT_PASS
 
 
@@ -323,6 +329,8 @@ def execute(
             launches.append(result)
             if result.error:
                 print(f"error: {result.error}", file=err)
+        if suite.throughput:
+            return None, records, [*launch_checks(launches), judge_throughput(suite, run_dir, groups)]
         records = {arm: read_arm(run_dir, arm, suite.arms[arm].ep) for arm in suite.arms}
         return None, records, collect_checks(suite, launches, records, golden, pin)
     except Cancelled as c:
@@ -339,12 +347,21 @@ def run_suite(suite: SuiteSpec, options: RunOptions, out: TextIO = sys.stdout, e
     check_device(suite, options.device)
     pin = cpu_pin(options.cpu_isa) if options.device == "cpu" else None
     key = run_env_key(options.device, suite_dtype(suite), pin)
+    if suite.throughput and options.golden == "update":
+        raise UsageError(f"suite {suite.name}: a throughput run records no golden")
     golden = plan_golden(
-        suite.name, golden_config(suite), key, options.golden, options.golden_dir, suite.golden_cross_env
+        suite.name,
+        golden_config(suite),
+        key,
+        "off" if suite.throughput else options.golden,
+        options.golden_dir,
+        suite.golden_cross_env,
     )
+    if suite.throughput:
+        golden = dataclasses.replace(golden, note=None)  # nothing to say: step times have no golden
     run_dir = make_run_dir(suite, options.out)
     with harness_log(run_dir), Cancellation():
-        groups = plan_launches(suite)
+        groups = plan_throughput_launches(suite) if suite.throughput else plan_launches(suite)
         manifest = build_manifest(suite, options, key, pin, golden, groups)
         write_json_atomic(run_dir / "manifest.json", manifest)
         for line in filter(None, [pin.note if pin else None, golden.note]):
@@ -353,7 +370,8 @@ def run_suite(suite: SuiteSpec, options: RunOptions, out: TextIO = sys.stdout, e
         start = time.monotonic()
         launches: list[LaunchResult] = []
         cancelled, records, checks = execute(run_dir, suite, groups, options.timeout_s, pin, golden, launches, out, err)
-        records = records or {arm: read_arm(run_dir, arm, suite.arms[arm].ep) for arm in suite.arms}
+        if not suite.throughput:
+            records = records or {arm: read_arm(run_dir, arm, suite.arms[arm].ep) for arm in suite.arms}
         verdict, exit_code = ("cancelled", cancelled.exit_code) if cancelled else verdict_of(checks)
         summary = build_summary(
             suite, verdict, exit_code, time.monotonic() - start, key, golden, launches, records, checks
@@ -396,6 +414,7 @@ def build_summary(
         "arms": {
             arm: {"ranks": spec.ranks, "ep": spec.ep, "steps_completed": records[arm].steps_done()}
             for arm, spec in suite.arms.items()
+            if arm in records
         },
         "duration_s": round(duration_s, 3),
         "env_key": key,
@@ -412,8 +431,9 @@ def build_summary(
             for r in launches
         ],
         "error": "\n".join(r.error for r in launches if r.error) or None,
-        "counts": {s: sum(c.status == s for c in checks) for s in ("pass", "fail", "error", "skip")},
+        "counts": {s: sum(c.status == s for c in checks) for s in STATUSES},
         "checks": [c.to_dict() for c in checks],
+        "throughput": next((c.extra["throughput"] for c in checks if c.kind == "throughput"), None),
     }
 
 

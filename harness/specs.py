@@ -93,12 +93,30 @@ class CheckSpec:
 
 @dataclass(frozen=True)
 class DebugSpec:
-    """Fault injection for the harness's own tests; off unless ``fail_step`` is set."""
+    """Fault injection for the harness's own tests. ``fail_*``: a rank fails (off unless
+    ``fail_step`` is set). ``slow_*``: in a throughput measurement every step of ``slow_arm``
+    sleeps ``slow_fraction`` of its own duration after it (a planted slowdown of that fraction)."""
 
     fail_step: int | None = None
     fail_rank: int = 0
     fail_mode: str = "raise"
     fail_arm: str | None = None
+    slow_arm: str | None = None
+    slow_fraction: float = 0.0
+
+
+@dataclass(frozen=True)
+class ThroughputSpec:
+    """A vs B step time in ABBA blocks (harness/throughput.py): the suite's [throughput] table, or
+    ``harness abba``'s flags. B may be A itself: it is then a second, separately built copy."""
+
+    a: str
+    b: str
+    blocks: int = 4
+    steps: int = 5  # timed steps per block position
+    warmup: int = 2  # untimed steps per arm copy, after its build
+    max_slowdown: float = 0.05  # the gate: B/A step time must stay at or under 1 + this
+    control: bool = False  # also measure A against a second copy of A: the noise floor
 
 
 @dataclass(frozen=True)
@@ -116,6 +134,7 @@ class SuiteSpec:
     golden_metrics: tuple[str, ...]
     golden_cross_env: dict[str, Any]
     debug: DebugSpec
+    throughput: ThroughputSpec | None = None  # set: a throughput run, judged by its ABBA gate
 
     def to_dict(self) -> dict[str, Any]:
         """The resolved suite as manifest.json records it (and the workers read it)."""
@@ -133,4 +152,5 @@ class SuiteSpec:
                 "cross_env": self.golden_cross_env,
             },
             "debug": dataclasses.asdict(self.debug),
+            "throughput": dataclasses.asdict(self.throughput) if self.throughput else None,
         }

@@ -42,7 +42,7 @@ from harness.reference.model import CONFIGS, DeepseekV3Config, get_config
 from harness.reference.pec import PECConfig
 from harness.reference.pipeline import PipelineConfig
 from harness.reference.train import TrainConfig
-from harness.specs import ArmSpec, CheckSpec, DebugSpec, SuiteSpec, train_config
+from harness.specs import ArmSpec, CheckSpec, DebugSpec, SuiteSpec, ThroughputSpec, train_config
 
 SUITES_DIR = Path(__file__).resolve().parent.parent / "suites"
 MAX_RANKS = 8
@@ -86,8 +86,10 @@ _MODEL_POSITIVE = {name for name, kind in _MODEL_FIELDS.items() if kind is int a
     "rope_beta_fast",
     "rope_beta_slow",
 }
-_TOP_KEYS = ("name", "description", "ranks", "steps", "model", "train", "arms", "checks", "golden", "debug")
-_TABLES = ("model", "train", "golden", "debug")
+_TOP_KEYS = (
+    "name", "description", "ranks", "steps", "model", "train", "arms", "checks", "golden", "debug", "throughput"
+)  # fmt: skip
+_TABLES = ("model", "train", "golden", "debug", "throughput")
 
 
 class SuiteError(Exception):
@@ -317,9 +319,10 @@ class _Validator:
             self.name(arm, f"arms.{arm}"): self.arm(arm, table, base, model, ranks, steps, raw.get("model", {}), path)
             for arm, table in arms_raw.items()
         }
+        throughput = self.throughput(raw["throughput"], arms) if "throughput" in raw else None
         checks_raw = raw.get("checks", [])
-        if not isinstance(checks_raw, list) or not checks_raw:
-            # A suite that checks nothing would pass whatever its arms did.
+        if not isinstance(checks_raw, list) or (not checks_raw and throughput is None):
+            # A suite that checks nothing would pass whatever its arms did; a throughput run has its gate.
             raise self.error("checks", f"expected at least one [[checks]] table, got {_show(checks_raw)}")
         checks = tuple(self.check(c, f"checks.{i}", arms) for i, c in enumerate(checks_raw))
         names = [c.name for c in checks]
@@ -329,8 +332,46 @@ class _Validator:
         golden_tier, golden_metrics, cross_env = self.golden(raw.get("golden", {}))
         debug = self.debug(raw.get("debug", {}), arms, steps)
         return SuiteSpec(
-            name, description, path, ranks, steps, arms, checks, golden_tier, golden_metrics, cross_env, debug
+            name,
+            description,
+            path,
+            ranks,
+            steps,
+            arms,
+            checks,
+            golden_tier,
+            golden_metrics,
+            cross_env,
+            debug,
+            throughput,
         )
+
+    def throughput(self, raw: Any, arms: dict[str, ArmSpec]) -> ThroughputSpec:
+        """[throughput]: arms ``a`` and ``b`` (the same arm measures it against a copy of itself),
+        ABBA ``blocks`` (>= 2: an interval needs two), timed ``steps`` per block position,
+        ``warmup`` steps, ``max_slowdown`` (the gate) and ``control`` (an A/A null control)."""
+        fields = {f.name: f for f in dataclasses.fields(ThroughputSpec)}
+        table = self.table(raw, "throughput", tuple(fields))
+        for key in ("a", "b"):
+            if key not in table:
+                raise self.error(f"throughput.{key}", f"missing (an arm: {', '.join(arms)})")
+        values: dict[str, Any] = {key: self.str_(table[key], f"throughput.{key}", tuple(arms)) for key in ("a", "b")}
+        for key in ("a", "b"):
+            if arms[values[key]].oracle:
+                raise self.error(
+                    f"throughput.{key}", f"arm {_show(values[key])} trains in lockstep with an oracle: not timed"
+                )
+        for key, lo in (("blocks", 2), ("steps", 1), ("warmup", 0)):
+            if key in table:
+                values[key] = self.int_(table[key], f"throughput.{key}", lo)
+        if "max_slowdown" in table:
+            values["max_slowdown"] = self.typed(table["max_slowdown"], "throughput.max_slowdown", float, False)
+        if "control" in table:
+            values["control"] = self.typed(table["control"], "throughput.control", bool, False)
+        spec = ThroughputSpec(**values)
+        if spec.max_slowdown < 0:
+            raise self.error("throughput.max_slowdown", f"expected a number >= 0, got {_show(spec.max_slowdown)}")
+        return spec
 
     def name(self, value: Any, dotted: str) -> str:
         """Suite and arm names become directories: lowercase letters, digits, '-' and '_' only."""
@@ -546,9 +587,16 @@ class _Validator:
     def debug(self, raw: Any, arms: dict[str, ArmSpec], steps: int) -> DebugSpec:
         table = self.table(raw, "debug", tuple(f.name for f in dataclasses.fields(DebugSpec)))
         arm = self.str_(table["fail_arm"], "debug.fail_arm", tuple(arms)) if "fail_arm" in table else next(iter(arms))
+        slow_fraction = self.typed(table.get("slow_fraction", 0.0), "debug.slow_fraction", float, False)
+        if slow_fraction < 0:
+            raise self.error("debug.slow_fraction", f"expected a number >= 0, got {_show(slow_fraction)}")
+        if slow_fraction and "slow_arm" not in table:
+            raise self.error("debug.slow_arm", f"missing (the arm to slow down: {', '.join(arms)})")
         return DebugSpec(
             fail_step=self.int_(table["fail_step"], "debug.fail_step", 1, steps) if "fail_step" in table else None,
             fail_rank=self.int_(table.get("fail_rank", 0), "debug.fail_rank", 0, arms[arm].ranks - 1),
             fail_mode=self.str_(table.get("fail_mode", "raise"), "debug.fail_mode", FAIL_MODES),
             fail_arm=arm,
+            slow_arm=self.str_(table["slow_arm"], "debug.slow_arm", tuple(arms)) if "slow_arm" in table else None,
+            slow_fraction=slow_fraction,
         )

@@ -171,11 +171,11 @@ class _RankRecorder:
 
 def make_trainer(
     config: TrainConfig,
-    oracle: str | None,
-    event_sink: EventSink,
-    grad_sink: GradSink,
-    update_sink: UpdateSink,
-    fidelity_sink: Callable[[dict], None] | None,
+    oracle: str | None = None,
+    event_sink: EventSink | None = None,
+    grad_sink: GradSink | None = None,
+    update_sink: UpdateSink | None = None,
+    fidelity_sink: Callable[[dict], None] | None = None,
     pec_sink: PECSink | None = None,
     steps: int = 1,
 ) -> Trainer | VersionedTrainer | HFLockstep:
@@ -245,6 +245,108 @@ def run_arm(run_dir: Path, arm: str, spec: dict[str, Any], steps: int, debug: di
                 write_json_atomic(arm_dir / f"weights.rank{logical_rank}.json", digest)
 
 
+def _peak_memory_reset(device: str) -> None:
+    """Start a fresh peak: CUDA's allocator counter, or the kernel's RSS high-water mark (VmHWM)."""
+    if device == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+        return
+    with contextlib.suppress(OSError):
+        Path("/proc/self/clear_refs").write_text("5")
+
+
+def _peak_memory_bytes(device: str) -> int:
+    """Bytes at the peak since the reset: CUDA max allocated, or this process's peak RSS."""
+    if device == "cuda":
+        return torch.cuda.max_memory_allocated()
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) * 1024
+    return 0
+
+
+class _TimedTrainer:
+    """One built copy of an arm in a throughput run: it keeps training its own model, step after
+    step, across every block it is timed in. ``slow_fraction`` plants a slowdown (DebugSpec)."""
+
+    def __init__(self, train: dict[str, Any], total_steps: int, slow_fraction: float) -> None:
+        config = train_config(train)
+        random.seed(config.seed)
+        torch.manual_seed(config.seed)
+        self.trainer = make_trainer(config, steps=total_steps)
+        self.tokens_per_step = config.ep * config.local_batch * config.seq_len
+        self.slow_fraction = slow_fraction
+        self.next_step = 1
+
+    def run(self, steps: int) -> None:
+        for _ in range(steps):
+            start = time.perf_counter()
+            self.trainer.step(self.next_step)
+            self.next_step += 1
+            if self.slow_fraction:
+                time.sleep(self.slow_fraction * (time.perf_counter() - start))
+
+
+def _timed(trainer: _TimedTrainer, steps: int, device: str) -> tuple[float, int]:
+    """(seconds, peak bytes) of ``steps`` steps on this rank, between barriers: the block starts
+    when every rank is ready, and its time includes the wait for the slowest."""
+    _peak_memory_reset(device)
+    dist.barrier()
+    if device == "cuda":
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        trainer.run(steps)
+        dist.barrier()
+        end.record()
+        end.synchronize()
+        return start.elapsed_time(end) / 1000, _peak_memory_bytes(device)
+    began = time.perf_counter()
+    trainer.run(steps)
+    dist.barrier()
+    return time.perf_counter() - began, _peak_memory_bytes(device)
+
+
+def measure_throughput(run_dir: Path, suite: dict[str, Any], measurements: list[dict], device: str) -> None:
+    """Times the group's block positions in order (harness/throughput.py plans them): builds each
+    copy of an arm once and warms it up, then records per position the slowest rank's seconds and
+    the largest peak memory of any rank to ``throughput.jsonl`` (process rank 0)."""
+    spec, debug = suite["throughput"], suite["debug"]
+    positions = {}
+    for m in measurements:
+        positions[m["copy"]] = positions.get(m["copy"], 0) + 1
+    arms = {m["copy"]: m["arm"] for m in measurements}
+    with contextlib.ExitStack() as stack:
+        copies = {}
+        for copy, count in positions.items():
+            arm = arms[copy]
+            slow = debug["slow_fraction"] if debug["slow_arm"] == arm else 0.0
+            copies[copy] = _TimedTrainer(suite["arms"][arm]["train"], spec["warmup"] + count * spec["steps"], slow)
+            stack.callback(copies[copy].trainer.close)
+        for copy in copies.values():
+            copy.run(spec["warmup"])
+        writer = stack.enter_context(JsonlWriter(run_dir / "throughput.jsonl")) if dist.get_rank() == 0 else None
+        for m in measurements:
+            trainer = copies[m["copy"]]
+            first_step = trainer.next_step
+            seconds, peak = _timed(trainer, spec["steps"], device)
+            worst = torch.tensor([seconds, float(peak)], dtype=torch.float64, device=device)
+            dist.all_reduce(worst, op=dist.ReduceOp.MAX)
+            seconds, peak = worst.tolist()
+            print(f"[{m['series']} block {m['block']} {m['role']}: {m['arm']}] {seconds:.4f} s", flush=True)
+            if writer is not None:
+                writer.write(
+                    {
+                        **m,
+                        "steps": spec["steps"],
+                        "first_step": first_step,
+                        "seconds": seconds,
+                        "step_time_s": seconds / spec["steps"],
+                        "tokens_per_s": trainer.tokens_per_step * spec["steps"] / seconds,
+                        "peak_memory_bytes": int(peak),
+                        "timing": "cuda-events" if device == "cuda" else "wall",
+                    }
+                )
+
+
 @record
 def main(argv: list[str]) -> None:
     os.dup2(1, 2)  # stderr joins stdout in logs/rank<k>.log, in order
@@ -257,8 +359,11 @@ def main(argv: list[str]) -> None:
     suite = manifest["suite"]
     _init_process_group(manifest["device"], manifest["backend"])
     print(f"rank {dist.get_rank()}/{dist.get_world_size()} of group {group_name}: pid {os.getpid()}", flush=True)
-    for arm in group["arms"]:
-        run_arm(run_dir, arm, suite["arms"][arm], suite["steps"], suite["debug"])
+    if group["measurements"]:
+        measure_throughput(run_dir, suite, group["measurements"], manifest["device"])
+    else:
+        for arm in group["arms"]:
+            run_arm(run_dir, arm, suite["arms"][arm], suite["steps"], suite["debug"])
     dist.destroy_process_group()
 
 
