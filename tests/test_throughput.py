@@ -1,0 +1,207 @@
+"""Throughput runs: the ABBA plan, the gate's verdicts and exit codes, and real measurements."""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+
+import pytest
+
+from harness.compare import CheckResult
+from harness.run import EXIT_FAIL, EXIT_INCONCLUSIVE, EXIT_INFRA, EXIT_PASS, verdict_of
+from harness.throughput import judge_throughput, plan_measurements, plan_throughput_launches
+from tests.suite_files import suite_from
+
+SUITE = """
+name = "abba-test"
+description = "two identical arms: any difference between them is planted or noise"
+ranks = 2
+steps = 5
+[model]
+config = "cpu-tiny"
+[train]
+seed = 42
+routing = "forced-balanced"
+local_batch = 4
+seq_len = 32
+[arms.base]
+[arms.twin]
+{extra}
+[throughput]
+a = "base"
+b = "twin"
+blocks = {blocks}
+steps = {steps}
+warmup = 2
+"""
+
+
+def _suite(tmp_path: Path, blocks: int = 4, steps: int = 4, extra: str = "", **throughput: object):
+    text = SUITE.format(blocks=blocks, steps=steps, extra=extra)
+    text += "".join(f"{key} = {json.dumps(value)}\n" for key, value in throughput.items())
+    return suite_from(tmp_path, text)
+
+
+def test_plan_is_abba_blocks_with_the_control_interleaved(tmp_path: Path) -> None:
+    suite = _suite(tmp_path, blocks=2, control=True)
+    plan = plan_measurements(suite.throughput)
+    assert [(m.series, m.block, m.role) for m in plan[:8]] == [
+        ("main", 1, "A"), ("main", 1, "B"), ("main", 1, "B"), ("main", 1, "A"),
+        ("control", 1, "A"), ("control", 1, "B"), ("control", 1, "B"), ("control", 1, "A"),
+    ]  # fmt: skip
+    # The control times A against a second copy of A, never against B.
+    assert {(m.copy, m.arm) for m in plan if m.series == "control"} == {("A", "base"), ("A2", "base")}
+    assert len(plan) == 16
+    (group,) = plan_throughput_launches(suite)
+    assert group.measurements == tuple(plan) and group.arms == ("base", "twin")
+
+
+def test_arms_of_different_process_counts_get_a_launch_per_block_position(tmp_path: Path) -> None:
+    suite = _suite(tmp_path, blocks=2, extra="[arms.solo]\nranks = 1\n")
+    suite = suite_from(tmp_path, (tmp_path / "suite.toml").read_text().replace('b = "twin"', 'b = "solo"'))
+    groups = plan_throughput_launches(suite)
+    assert len(groups) == 8 and all(len(g.measurements) == 1 for g in groups)
+    assert [g.ranks for g in groups[:4]] == [2, 1, 1, 2]
+    assert len({g.log_dir for g in groups}) == 8  # each launch keeps its own rank logs
+
+
+def _rows(ratios: list[float], series: str = "main", jitter: float = 0.0, seed: int = 0) -> list[dict]:
+    """Block positions whose B/A step time is ``ratios[k]`` in block k, around 0.1 s."""
+    rng = random.Random(seed)
+    rows = []
+    for block, ratio in enumerate(ratios, start=1):
+        for position, role in enumerate("ABBA"):
+            step_time = 0.1 * (ratio if role == "B" else 1.0) * (1 + rng.uniform(-jitter, jitter))
+            copy = role if series == "main" else {"A": "A", "B": "A2"}[role]
+            rows.append(
+                {"series": series, "block": block, "position": position, "role": role, "copy": copy, "arm": "x",
+                 "steps": 4, "first_step": 1, "seconds": 4 * step_time, "step_time_s": step_time,
+                 "tokens_per_s": 256 / step_time, "peak_memory_bytes": 1 << 20, "timing": "wall"}
+            )  # fmt: skip
+    return rows
+
+
+def _judge(tmp_path: Path, rows: list[dict], **throughput: object) -> CheckResult:
+    suite = _suite(tmp_path, **throughput)
+    run_dir = tmp_path / "run"
+    run_dir.mkdir(exist_ok=True)
+    (run_dir / "throughput.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return judge_throughput(suite, run_dir, plan_throughput_launches(suite))
+
+
+@pytest.mark.parametrize(
+    ("ratios", "status"),
+    [
+        ([1.00, 1.01, 0.99, 1.00], "pass"),
+        ([1.30, 1.31, 1.29, 1.30], "fail"),
+        ([1.05, 1.07, 1.03, 1.05], "inconclusive"),  # the interval straddles 1 + 0.05
+        ([0.90, 1.20, 0.95, 1.15], "inconclusive"),  # too noisy to say
+    ],
+)
+def test_gate_verdicts(tmp_path: Path, ratios: list[float], status: str) -> None:
+    gate = _judge(tmp_path, _rows(ratios))
+    measured = gate.extra["throughput"]
+    assert gate.status == status, gate.detail
+    assert measured["per_block_ratios"] == pytest.approx(ratios)
+    assert measured["low"] <= measured["ratio"] <= measured["high"]
+    assert gate.arms == ["base", "twin"]
+
+
+def test_a_tighter_gate_fails_what_a_looser_one_passes(tmp_path: Path) -> None:
+    rows = _rows([1.10, 1.11, 1.09, 1.10])
+    assert _judge(tmp_path, rows, max_slowdown=0.05).status == "fail"
+    assert _judge(tmp_path, rows, max_slowdown=0.2).status == "pass"
+
+
+def test_big_improvement_is_flagged(tmp_path: Path) -> None:
+    gate = _judge(tmp_path, _rows([0.7, 0.71, 0.69, 0.7]))
+    assert gate.status == "pass" and gate.extra["throughput"]["improvement"]
+    assert "30% faster than A: check whether the baseline moved" in gate.detail
+    assert not _judge(tmp_path, _rows([0.9, 0.91, 0.89, 0.9])).extra["throughput"]["improvement"]
+
+
+def test_a_control_beyond_the_threshold_makes_the_verdict_inconclusive(tmp_path: Path) -> None:
+    main = _rows([1.00, 1.01, 0.99, 1.00])
+    quiet = _judge(tmp_path, main + _rows([1.0, 1.0, 1.0, 1.0], "control"), control=True)
+    assert quiet.status == "pass" and quiet.extra["throughput"]["control"]["ratio"] == pytest.approx(1.0)
+    shaky = _judge(tmp_path, main + _rows([1.2, 1.21, 1.19, 1.2], "control"), control=True)
+    assert shaky.status == "inconclusive" and "A/A control itself lies beyond" in shaky.detail
+
+
+def test_partial_blocks_are_left_out_and_too_few_are_an_error(tmp_path: Path) -> None:
+    rows = _rows([1.0, 1.0, 1.0])
+    partial = _judge(tmp_path, rows[:-1])  # the last block lost its final A
+    assert partial.extra["throughput"]["blocks"] == 2 and partial.status == "pass"
+    too_few = _judge(tmp_path, rows[:7])
+    assert too_few.status == "error" and "1 complete ABBA block(s) of 4" in too_few.detail
+    assert _judge(tmp_path, []).status == "error"
+
+
+def test_exit_code_precedence() -> None:
+    def result(*statuses: str) -> list[CheckResult]:
+        return [CheckResult(s, "x", s, "") for s in statuses]
+
+    assert verdict_of(result("pass", "inconclusive")) == ("inconclusive", EXIT_INCONCLUSIVE)
+    assert verdict_of(result("inconclusive", "fail")) == ("fail", EXIT_FAIL)
+    assert verdict_of(result("fail", "error", "inconclusive")) == ("error", EXIT_INFRA)
+    assert verdict_of(result("pass", "skip")) == ("pass", EXIT_PASS)
+
+
+def _throughput_rows(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "throughput.jsonl").read_text().splitlines()]
+
+
+def test_planted_slowdown_of_b_fails_the_gate(run_harness, tmp_path: Path) -> None:
+    path = tmp_path / "suite.toml"
+    _suite(tmp_path, blocks=8, steps=6)
+    out = tmp_path / "run"
+    run = run_harness("run", path, "--set", "debug.slow_arm=twin", "--set", "debug.slow_fraction=0.3", "--out", out)
+    summary = json.loads((out / "summary.json").read_text())
+    assert run.returncode == 1, run.stdout + run.stderr
+    assert summary["verdict"] == "fail" and summary["throughput"]["low"] > 1.05
+    assert "throughput: twin vs base" in run.stdout and "slower beyond 5% with confidence" in run.stdout
+    assert (out / "report.html").is_file() and "<failure" in (out / "junit.xml").read_text()
+
+
+def test_abba_of_an_arm_against_itself_never_fails(run_harness, tmp_path: Path) -> None:
+    path = tmp_path / "suite.toml"
+    _suite(tmp_path)
+    out = tmp_path / "run"
+    run = run_harness(
+        "abba", path, "--a", "base", "--b", "base", "--blocks", 3, "--steps", 3, "--control", "--out", out
+    )
+    assert run.returncode in (EXIT_PASS, EXIT_INCONCLUSIVE), run.stdout + run.stderr
+    rows = _throughput_rows(out)
+    assert len(rows) == 2 * 3 * 4 and {r["series"] for r in rows} == {"main", "control"}
+    # Each copy keeps training its own model (A serves both series): its timed steps follow on from
+    # one block position to the next, after its 2 warm-up steps.
+    for copy, positions in (("A", 12), ("B", 6), ("A2", 6)):
+        firsts = [r["first_step"] for r in rows if r["copy"] == copy]
+        assert firsts == [3 + 3 * i for i in range(positions)], (copy, firsts)
+    assert all(r["seconds"] > 0 and r["peak_memory_bytes"] > 0 and r["timing"] == "wall" for r in rows)
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["exit_code"] == run.returncode and summary["throughput"]["control"]["blocks"] == 3
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (("parity",), "suite parity has no [throughput] table; name the arms with --a and --b"),
+        (("parity", "--a", "eager", "--b", "graph", "--blocks", 1), "--blocks: expected int >= 2, got 1"),
+        (("parity", "--a", "eager", "--b", "nope"), '--b: expected one of eager, eager-traced, graph, got "nope"'),
+        (("parity", "--a", "eager", "--b", "graph", "--max-slowdown", -1), "--max-slowdown: expected a number >= 0"),
+        (("fidelity", "--a", "q-lora", "--b", "q-lora"), "trains in lockstep with an oracle: not timed"),
+    ],
+    ids=["no-arms", "one-block", "unknown-arm", "negative-gate", "oracle-arm"],
+)
+def test_bad_abba_usage_exits_2_with_one_line(run_harness, tmp_path: Path, args: tuple, message: str) -> None:
+    run = run_harness("abba", *args, "--out", tmp_path / "run")
+    assert run.returncode == 2, run.stdout + run.stderr
+    assert message in run.stderr and len(run.stderr.strip().splitlines()) == 1
+    assert not (tmp_path / "run").exists()
+
+
+def test_golden_update_of_a_throughput_suite_exits_2(run_harness, tmp_path: Path) -> None:
+    run = run_harness("golden", "update", "throughput-pec", "--out", tmp_path / "run")
+    assert run.returncode == 2 and "throughput-pec: a throughput run records no golden" in run.stderr
