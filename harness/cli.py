@@ -59,6 +59,9 @@ def _add_run_arguments(parser: argparse.ArgumentParser, steps_help: str = "train
         metavar="KEY=VALUE",
         help="override a suite field, e.g. steps=5, arms.eager.lr=0.01, train.seed=1, chunks=4 (all arms)",
     )
+    parser.add_argument(
+        "--verbose", action="store_true", help="print every step as a plain line, also on a terminal (no live display)"
+    )
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -150,6 +153,7 @@ def _run(args: argparse.Namespace, argv: list[str], golden: str) -> int:
         golden_dir=args.golden_dir,
         cpu_isa=args.cpu_isa,
         command=("harness", *argv),
+        verbose=args.verbose,
     )
     return run_suite(suite, options)
 

@@ -45,7 +45,7 @@ from harness.golden import (
     write_golden,
 )
 from harness.launch import LaunchGroup, LaunchResult, launch_group, plan_launches
-from harness.progress import Progress
+from harness.progress import BlockProgress, Progress
 from harness.records import ArmRecords, RecordError, read_arm, read_metrics, write_json_atomic
 from harness.report import format_verdict_table, write_html, write_junit
 from harness.specs import SuiteSpec
@@ -76,6 +76,7 @@ class RunOptions:
     golden_dir: Path = GOLDEN_DIR
     cpu_isa: str = "avx2"  # avx2: the portable kernel pin (environment.py); native: opt out
     command: tuple[str, ...] = ()
+    verbose: bool = False  # plain per-step lines on a terminal too, in place of the live display
 
 
 def suite_dtype(suite: SuiteSpec) -> str:
@@ -192,16 +193,29 @@ def _golden_summary(golden: GoldenPlan) -> dict:
 
 
 def launch_all(
-    run_dir: Path, suite: SuiteSpec, groups: list[LaunchGroup], timeout_s: float, env: dict[str, str], out: TextIO
+    run_dir: Path,
+    suite: SuiteSpec,
+    groups: list[LaunchGroup],
+    timeout_s: float,
+    env: dict[str, str],
+    out: TextIO,
+    verbose: bool = False,
 ) -> Iterator[LaunchResult]:
     """Launch groups one after another under one deadline, yielding each result; the first
     failure ends the run."""
     deadline = time.monotonic() + timeout_s
-    progress = Progress(run_dir, list(suite.arms), suite.steps, out)
+    spec = suite.throughput
+    if spec:
+        roles = {"A": spec.a, "B": spec.b, **({"control": spec.a} if spec.control else {})}
+        progress: Progress | BlockProgress = BlockProgress(run_dir, roles, spec.blocks, out, verbose)
+    else:
+        progress = Progress(run_dir, [arm for group in groups for arm in group.arms], suite.steps, out, verbose)
     try:
         for group in groups:
             result = launch_group(run_dir, group, deadline=deadline, timeout_s=timeout_s, env=env, tick=progress.tick)
             log.info("group %s: %s", group.name, result.headline or "ok")
+            if not result.ok:
+                progress.close()  # its last state stays above the error the caller prints
             yield result
             if not result.ok:
                 return
@@ -316,6 +330,7 @@ def execute(
     launches: list[LaunchResult],
     out: TextIO,
     err: TextIO,
+    verbose: bool = False,
 ) -> tuple[Cancelled | None, dict[str, ArmRecords], list[CheckResult]]:
     """Launches the groups (appending to ``launches``) and checks what they recorded.
 
@@ -325,7 +340,7 @@ def execute(
     records: dict[str, ArmRecords] = {}
     start = time.monotonic()
     try:
-        for result in launch_all(run_dir, suite, groups, timeout_s, pin.env if pin else {}, out):
+        for result in launch_all(run_dir, suite, groups, timeout_s, pin.env if pin else {}, out, verbose):
             launches.append(result)
             if result.error:
                 print(f"error: {result.error}", file=err)
@@ -369,7 +384,9 @@ def run_suite(suite: SuiteSpec, options: RunOptions, out: TextIO = sys.stdout, e
             log.info(line)
         start = time.monotonic()
         launches: list[LaunchResult] = []
-        cancelled, records, checks = execute(run_dir, suite, groups, options.timeout_s, pin, golden, launches, out, err)
+        cancelled, records, checks = execute(
+            run_dir, suite, groups, options.timeout_s, pin, golden, launches, out, err, options.verbose
+        )
         if not suite.throughput:
             records = records or {arm: read_arm(run_dir, arm, suite.arms[arm].ep) for arm in suite.arms}
         verdict, exit_code = ("cancelled", cancelled.exit_code) if cancelled else verdict_of(checks)

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import io
 import json
 from pathlib import Path
 
@@ -10,7 +9,6 @@ import pytest
 
 from harness.golden import config_differences
 from harness.launch import plan_launches
-from harness.progress import Progress
 from harness.run import golden_config
 from harness.suites import SuiteError, list_suites, load_suite
 
@@ -345,34 +343,3 @@ def test_a_bad_model_override_exits_2_with_one_line_naming_it(run_harness, tmp_p
 def test_missing_suite_names_the_path() -> None:
     with pytest.raises(SuiteError, match=r"no-such-suite\.toml: no such suite file \(suites: .*logical-ranks"):
         load_suite("no-such-suite")
-
-
-class _Terminal(io.StringIO):
-    def isatty(self) -> bool:
-        return True
-
-
-@pytest.mark.parametrize("tty", [False, True])
-def test_progress_follows_metrics_as_they_are_written(tmp_path: Path, tty: bool) -> None:
-    stream = _Terminal() if tty else io.StringIO()
-    progress = Progress(tmp_path, ["a"], steps=2, stream=stream)
-    metrics = tmp_path / "arms" / "a" / "metrics.jsonl"
-    metrics.parent.mkdir(parents=True)
-    progress.tick()  # nothing written yet
-    with metrics.open("a") as f:
-        f.write(json.dumps({"step": 1, "loss": 1.5, "grad_norm": 0.5}) + "\n" + '{"step": 2, "lo')
-    progress.tick()  # the half-written line waits
-    with metrics.open("a") as f:
-        f.write('ss": 1.25, "grad_norm": 0.25}\n')
-    progress.tick()
-    progress.close()
-    text = stream.getvalue()
-    if tty:
-        assert (
-            text == "\r\x1b[K[arm a] step 1/2 loss=1.5 grad_norm=0.5\r\x1b[K[arm a] step 2/2 loss=1.25 grad_norm=0.25\n"
-        )
-    else:
-        assert text.splitlines() == [
-            "[arm a] step 1/2 loss=1.5 grad_norm=0.5",
-            "[arm a] step 2/2 loss=1.25 grad_norm=0.25",
-        ]
