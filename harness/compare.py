@@ -27,14 +27,14 @@ class CheckResult:
 
     name: str
     kind: str
-    status: str  # pass | fail | error | skip
+    status: str  # pass | fail | error | skip | inconclusive (a gate whose interval straddles its threshold)
     detail: str
     first_divergent_step: int | None = None
     values: dict | None = None  # both values at first_divergent_step, keyed by arm label
     max_abs_diff: float | None = None
     max_rel_diff: float | None = None
     extra: dict = field(default_factory=dict)
-    arms: list[str] = field(default_factory=list)  # the arms it judged
+    arms: list[str] = field(default_factory=list)  # the arms it judges; the report groups checks by them
 
     def to_dict(self) -> dict:
         """JSON-ready: numpy scalars become Python ones; floats are kept unrounded."""

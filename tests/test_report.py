@@ -102,7 +102,8 @@ def test_html_is_self_contained_and_shows_checks(tmp_path):
     assert "<script>" not in html and "&lt;script&gt;" in html
     assert not re.search(r"(src|href)=\"(https?:)?//", html)
     images = re.findall(r'src="data:image/png;base64,([A-Za-z0-9+/=]+)"', html)
-    assert len(images) == 4  # loss, grad_norm, step_time_s, tokens
+    assert len(images) == 2  # loss, grad_norm; step_time_s and tokens are constant here
+    assert "constant in every arm: step_time_s = 0.01, tokens = 256" in html
     assert html.count('<tr class="fail">') == 2 and '<tr class="divergent">' in html
     assert repr(float(m["graph"].loc[7, "loss"])) in html  # exact per-step values
     assert "golden eager" in html and "&#34;seed&#34;: 42" in html

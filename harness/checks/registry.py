@@ -14,7 +14,7 @@ every check reading it an error.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Protocol
 
 from harness.compare import CheckResult
@@ -66,11 +66,21 @@ def register(family: CheckFamily) -> CheckFamily:
 
 
 def run_check(check: CheckSpec, suite: SuiteSpec, records: dict[str, ArmRecords]) -> list[CheckResult]:
-    """The results of one [[checks]] entry; an arm whose records cannot be read makes it an error."""
+    """The results of one [[checks]] entry, each naming the arms it judges; an arm whose records
+    cannot be read makes it an error."""
     unreadable = [records[arm].error for arm in check.arms if records[arm].error]
     if unreadable:
-        return [CheckResult(check.name, check.kind, "error", f"not run: {'; '.join(unreadable)}")]
-    return FAMILIES[check.kind].run(check, suite, records)
+        return [CheckResult(check.name, check.kind, "error", f"not run: {'; '.join(unreadable)}", arms=[*check.arms])]
+    return [_with_arms(result, check.arms) for result in FAMILIES[check.kind].run(check, suite, records)]
+
+
+def _with_arms(result: CheckResult, arms: tuple[str, ...]) -> CheckResult:
+    """The result with its arms, where its family did not set them: the one arm its name starts
+    with (single-arm families name each arm's result "<arm>: ..."), or else every arm of the check."""
+    if result.arms:
+        return result
+    leading = [arm for arm in arms if result.name.startswith(f"{arm}: ")]
+    return replace(result, arms=leading[:1] or [*arms])
 
 
 def arm_list(v: SuiteReader, raw: dict, dotted: str, arms: dict[str, ArmSpec]) -> tuple[str, ...]:

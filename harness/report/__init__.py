@@ -2,26 +2,32 @@
 
 from __future__ import annotations
 
-from harness.report.html import problems_first, write_html
+from harness.report.checks import problems_first, status_counts, tally
+from harness.report.html import write_html
 from harness.report.junit import write_junit
+from harness.report.throughput import improvement_note, read_throughput
 
-__all__ = ["format_verdict_table", "write_html", "write_junit"]
+__all__ = ["format_verdict_table", "read_throughput", "write_html", "write_junit"]
 
 
 def format_verdict_table(summary: dict) -> str:
-    """A short aligned table of the checks under a one-line verdict, failures first."""
+    """A short aligned table of the checks under a one-line verdict, problems first.
+
+    A throughput run whose B is much faster than its A says so under the verdict: that usually
+    means the baseline moved, and a green line alone would hide it.
+    """
     checks = problems_first(summary.get("checks", []))
     head = (
         f"{summary.get('suite')}: {str(summary.get('verdict')).upper()} (exit {summary.get('exit_code')})"
         f" - {len(checks)} checks, {summary.get('ranks')} ranks, {summary.get('steps')} steps,"
         f" {float(summary.get('duration_s') or 0.0):.1f} s"
     )
+    if note := improvement_note(summary.get("throughput") or {}):
+        head += f"\n  note: {note}"
     rows = [(str(c.get("status", "?")).upper(), str(c.get("name", "?")), str(c.get("detail", ""))) for c in checks]
     if not rows:
         return f"{head}\n  (no checks ran)"
     width_status = max(len(r[0]) for r in rows)
     width_name = max(len(r[1]) for r in rows)
     lines = [f"  {s:<{width_status}}  {n:<{width_name}}  {d}" for s, n, d in rows]
-    counts = {s: sum(c.get("status") == s for c in checks) for s in ("pass", "fail", "error", "skip")}
-    tally = f"{counts['pass']} passed, {counts['fail']} failed, {counts['error']} errors, {counts['skip']} skipped"
-    return "\n".join([head, *lines, tally])
+    return "\n".join([head, *lines, tally(status_counts(checks))])

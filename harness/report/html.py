@@ -1,4 +1,5 @@
-"""Self-contained HTML report: verdict, checks, metric overlays and differences, per-step values, manifest.
+"""Self-contained HTML report: verdict, throughput, checks grouped by kind, metric overlays and
+differences, per-step values, manifest.
 
 Everything is inline (plots as base64 PNG, CSS in the template), so the file opens offline and can
 be attached to a CI run or a pull request as it is.
@@ -6,8 +7,6 @@ be attached to a CI run or a pull request as it is.
 
 from __future__ import annotations
 
-import base64
-import io
 import json
 import math
 from pathlib import Path
@@ -18,17 +17,16 @@ import pandas as pd
 from matplotlib.figure import Figure  # no pyplot: no global backend or figure state
 from matplotlib.ticker import MaxNLocator
 
+from harness.report.checks import group_by_kind, problems_first, status_counts, tally
+from harness.report.figures import literal, png_base64
+from harness.report.throughput import throughput_view
+
 _TEMPLATES = jinja2.Environment(
     loader=jinja2.FileSystemLoader(Path(__file__).parent / "templates"),
     autoescape=True,
 )
 _FIRST_METRICS = ("loss", "grad_norm")
 _MARKERS_UP_TO = 100  # steps; beyond this markers only clutter the lines
-
-
-def problems_first(checks: list[dict]) -> list[dict]:
-    """Errors, then failures, then the rest, each in run order: what a reviewer needs comes first."""
-    return sorted(checks, key=lambda c: {"error": 0, "fail": 1}.get(c.get("status"), 2))
 
 
 def _metric_names(metrics: dict[str, pd.DataFrame]) -> list[str]:
@@ -55,11 +53,6 @@ def _differences(
     return out
 
 
-def _label(text: str) -> str:
-    """A legend label as matplotlib shows it literally: "$" would start mathtext."""
-    return text.replace("$", r"\$")
-
-
 def _plot(metric: str, metrics: dict[str, pd.DataFrame], golden: dict[str, pd.DataFrame]) -> str:
     """One PNG (base64) per metric: all arms overlaid, and their absolute differences on a log scale."""
     fig = Figure(figsize=(11, 3.4), dpi=100, layout="constrained")
@@ -69,17 +62,17 @@ def _plot(metric: str, metrics: dict[str, pd.DataFrame], golden: dict[str, pd.Da
     marker = "." if max(len(f) for f in metrics.values()) <= _MARKERS_UP_TO else None
     for arm, frame in metrics.items():
         if metric in frame.columns:
-            ax_values.plot(frame.index, frame[metric], marker=marker, label=_label(arm))
+            ax_values.plot(frame.index, frame[metric], marker=marker, label=literal(arm))
     for arm, frame in golden.items():
         if metric in frame.columns:
             ax_values.plot(
-                frame.index, frame[metric], linestyle="--", color="black", alpha=0.6, label=_label(f"golden {arm}")
+                frame.index, frame[metric], linestyle="--", color="black", alpha=0.6, label=literal(f"golden {arm}")
             )
-    ax_values.set(title=_label(metric), xlabel="step")
+    ax_values.set(title=literal(metric), xlabel="step")
     ax_values.legend(fontsize="small")
 
     diffs = _differences(metric, metrics, golden)
-    ax_diff.set(title=_label(f"{metric}: absolute difference"), xlabel="step")
+    ax_diff.set(title=literal(f"{metric}: absolute difference"), xlabel="step")
     positive = [d[d > 0] for _, d in diffs]
     if not any(len(p) for p in positive):
         message = "all differences are exactly 0" if diffs else "nothing to compare"
@@ -90,7 +83,7 @@ def _plot(metric: str, metrics: dict[str, pd.DataFrame], golden: dict[str, pd.Da
         floor = min(float(p.min()) for p in positive if len(p)) / 10
         ax_diff.set_yscale("log")
         for label, diff in diffs:
-            (line,) = ax_diff.plot(diff.index, diff.where(diff > 0), marker=marker, label=_label(label))
+            (line,) = ax_diff.plot(diff.index, diff.where(diff > 0), marker=marker, label=literal(label))
             zeros = diff.index[diff == 0]
             if len(zeros):
                 ax_diff.scatter(
@@ -99,13 +92,25 @@ def _plot(metric: str, metrics: dict[str, pd.DataFrame], golden: dict[str, pd.Da
                     marker="v",
                     s=12,
                     color=line.get_color(),
-                    label=_label(f"{label} = 0"),
+                    label=literal(f"{label} = 0"),
                 )
         ax_diff.axhline(floor, color="grey", linewidth=0.5)
         ax_diff.legend(fontsize="small")
-    buf = io.BytesIO()
-    fig.savefig(buf, format="png")
-    return base64.b64encode(buf.getvalue()).decode("ascii")
+    return png_base64(fig)
+
+
+def _constant_metrics(
+    names: list[str], metrics: dict[str, pd.DataFrame], golden: dict[str, pd.DataFrame]
+) -> dict[str, object]:
+    """Metrics holding one value in every arm, step and golden (tokens per step, say), with that value:
+    their plot would be a flat line and a blank difference, so the per-step table alone shows them."""
+    constant = {}
+    for name in names:
+        values = pd.concat([f[name] for f in (*metrics.values(), *golden.values()) if name in f.columns]).unique()
+        if len(values) == 1:
+            value = values[0]
+            constant[name] = value.item() if isinstance(value, np.generic) else value
+    return constant
 
 
 def _localisations(metric: str, checks: list[dict]) -> list[tuple[str, str]]:
@@ -143,16 +148,25 @@ def _step_table(
     return headers, table
 
 
+def _value_lines(check: dict) -> list[str]:
+    """A check's values at its first divergent step, one "label = value" each, exact as the check saw them."""
+    return [f"{label} = {_cell(value)}" for label, value in (check.get("values") or {}).items()]
+
+
 def write_html(
     path: Path,
     summary: dict,
     metrics: dict[str, pd.DataFrame],
     golden: dict[str, pd.DataFrame] | None = None,
     manifest: dict | None = None,
+    throughput: pd.DataFrame | None = None,
 ) -> None:
-    """Renders report.html for one run. metrics and golden map arm -> step-indexed DataFrame."""
+    """Renders report.html for one run. metrics and golden map arm -> step-indexed DataFrame;
+    throughput holds the rows of throughput.jsonl (see :func:`harness.report.read_throughput`)
+    and is read only when summary["throughput"] is set."""
     golden = golden or {}
     names = _metric_names(metrics)
+    constant = _constant_metrics(names, metrics, golden)
     headers, table = _step_table(names, metrics, golden)
     checks = problems_first(summary.get("checks", []))
     divergent = {
@@ -164,12 +178,17 @@ def write_html(
         {"step": step, "divergent": step in divergent, "cells": [_cell(v) for v in row]}
         for step, row in zip(table.index, table.astype(object).itertuples(index=False))
     ]
-    counts = {s: sum(c.get("status") == s for c in checks) for s in ("pass", "fail", "error", "skip")}
     html = _TEMPLATES.get_template("report.html").render(
         summary=summary,
-        checks=checks,
-        counts=counts,
-        plots=[(name, _plot(name, metrics, golden), _localisations(name, checks)) for name in names],
+        tally=tally(status_counts(checks)),
+        groups=group_by_kind(checks),
+        value_lines=_value_lines,
+        throughput=throughput_view(summary["throughput"], throughput) if summary.get("throughput") else None,
+        plots=[
+            (name, _plot(name, metrics, golden), _localisations(name, checks)) for name in names if name not in constant
+        ],
+        constant=[(name, _cell(value)) for name, value in constant.items()],
+        show_metrics=bool(names) or not summary.get("throughput"),
         headers=headers,
         rows=rows,
         manifest=json.dumps(manifest, indent=2, default=str) if manifest is not None else None,

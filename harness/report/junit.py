@@ -6,6 +6,8 @@ import re
 import xml.etree.ElementTree as ET
 from pathlib import Path
 
+from harness.report.checks import status_counts
+
 # Characters XML 1.0 cannot carry; a traceback in a detail must not make the whole file invalid.
 _INVALID_XML = re.compile("[^\u0009\u000a\u000d\u0020-\ud7ff\ue000-\ufffd\U00010000-\U0010ffff]")
 
@@ -30,14 +32,16 @@ def write_junit(path: Path, summary: dict) -> None:
     """Writes summary.json's checks as a JUnit testsuite.
 
     A run that ended in error with no erroring check (a rank crashed before any check ran) gets a
-    synthetic "run" testcase in error, so CI never reads it as an empty, green suite.
+    synthetic "run" testcase in error, so CI never reads it as an empty, green suite. An inconclusive
+    check (a gate whose interval straddles its threshold) is skipped with a message that starts
+    "inconclusive:", never a silent pass; the run's exit code 4 is what tells CI to measure again.
     """
     suite = str(summary.get("suite", "harness"))
     checks = list(summary.get("checks", []))
     if summary.get("verdict") == "error" and not any(c.get("status") == "error" for c in checks):
         reason = summary.get("error") or f"run ended with verdict 'error' (exit code {summary.get('exit_code')})"
         checks.append({"name": "run", "kind": "run", "status": "error", "detail": reason})
-    counts = {s: sum(c.get("status") == s for c in checks) for s in ("fail", "error", "skip")}
+    counts = status_counts(checks)
     root = ET.Element("testsuites")
     testsuite = ET.SubElement(
         root,
@@ -46,7 +50,7 @@ def write_junit(path: Path, summary: dict) -> None:
         tests=str(len(checks)),
         failures=str(counts["fail"]),
         errors=str(counts["error"]),
-        skipped=str(counts["skip"]),
+        skipped=str(counts["skip"] + counts["inconclusive"]),
         time=f"{float(summary.get('duration_s') or 0.0):.3f}",
     )
     for check in checks:
@@ -62,6 +66,10 @@ def write_junit(path: Path, summary: dict) -> None:
             element.text = _text(_failure_body(check))
         elif status == "skip":
             ET.SubElement(case, "skipped", message=detail)
+        elif status == "inconclusive":
+            # Not a pass and not a regression: CI shows it as not run, and the run's exit code 4 gates.
+            element = ET.SubElement(case, "skipped", message=f"inconclusive: {detail}")
+            element.text = _text(_failure_body(check))
     ET.indent(root)
     Path(path).parent.mkdir(parents=True, exist_ok=True)
     ET.ElementTree(root).write(path, encoding="utf-8", xml_declaration=True)

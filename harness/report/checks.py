@@ -1,0 +1,72 @@
+"""How every report orders, counts and groups the checks of summary.json.
+
+The console table, report.html and junit.xml must agree on what counts as a problem and in which
+order a reviewer meets it, so the order and the tally live here once.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+# Worst first. "inconclusive" is a gate whose interval straddles its threshold: not a pass, not a regression.
+STATUS_ORDER = ("error", "fail", "inconclusive", "pass", "skip")
+PROBLEMS = frozenset({"error", "fail", "inconclusive"})
+
+
+def _rank(check: dict) -> int:
+    """Errors, failures and inconclusive gates before everything else (passes and skips keep run order)."""
+    status = check.get("status")
+    return STATUS_ORDER.index(status) if status in PROBLEMS else len(PROBLEMS)
+
+
+def problems_first(checks: list[dict]) -> list[dict]:
+    """Errors, then failures, then inconclusive gates, then the rest, each in run order: what a
+    reviewer needs comes first."""
+    return sorted(checks, key=_rank)
+
+
+def status_counts(checks: list[dict]) -> dict[str, int]:
+    """How many checks have each status, every status present (0 when none)."""
+    return {status: sum(c.get("status") == status for c in checks) for status in STATUS_ORDER}
+
+
+def tally(counts: dict[str, int]) -> str:
+    """One line of counts; inconclusive gates are named only when there are some, as most runs have none."""
+    inconclusive = f", {counts['inconclusive']} inconclusive" if counts.get("inconclusive") else ""
+    return (
+        f"{counts['pass']} passed, {counts['fail']} failed{inconclusive}, {counts['error']} errors,"
+        f" {counts['skip']} skipped"
+    )
+
+
+@dataclass(frozen=True)
+class CheckGroup:
+    """The checks of one kind, problems first, with the arms they concern and their counts."""
+
+    kind: str
+    checks: list[dict]
+    arms: list[str]
+    counts: dict[str, int]
+
+    @property
+    def has_problems(self) -> bool:
+        """Whether the group holds an error, a failure or an inconclusive gate: then it opens by itself."""
+        return any(self.counts[s] for s in PROBLEMS)
+
+    @property
+    def summary(self) -> str:
+        """e.g. "3 checks: 2 pass, 1 fail" - only the statuses present, worst first."""
+        parts = ", ".join(f"{self.counts[s]} {s}" for s in STATUS_ORDER if self.counts[s])
+        return f"{len(self.checks)} check{'s' if len(self.checks) != 1 else ''}: {parts}"
+
+
+def group_by_kind(checks: list[dict]) -> list[CheckGroup]:
+    """One group per check kind: groups holding the worst statuses first, otherwise in run order."""
+    by_kind: dict[str, list[dict]] = {}
+    for check in checks:
+        by_kind.setdefault(str(check.get("kind", "?")), []).append(check)
+    groups = []
+    for kind, members in by_kind.items():
+        arms = list(dict.fromkeys(arm for c in members for arm in c.get("arms") or []))
+        groups.append(CheckGroup(kind, problems_first(members), arms, status_counts(members)))
+    return sorted(groups, key=lambda g: _rank(g.checks[0]))
