@@ -139,3 +139,11 @@ def test_an_unbounded_interval_of_one_block_still_renders(tmp_path: Path, high: 
     (tmp_path / "summary.json").write_text(json.dumps(summary))
     html = section(render(tmp_path))
     assert ("n/a]" if high is None else "∞]") in html
+
+
+def test_a_noisy_measurement_says_why_its_interval_is_wide(tmp_path: Path) -> None:
+    summary = write_throughput_run(tmp_path / "quiet")
+    assert "noisy:" not in render(tmp_path / "quiet")
+    summary["throughput"].update(noisy=True, noise={"A": 0.04, "B": 0.125})
+    write_html(tmp_path / "report.html", summary, {}, throughput=read_throughput(tmp_path / "quiet"))
+    assert "noisy: IQR/median over 10% within an arm (A 4.0%, B 12.5%)" in (tmp_path / "report.html").read_text()

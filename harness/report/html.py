@@ -187,7 +187,7 @@ def write_html(
         plots=[
             (name, _plot(name, metrics, golden), _localisations(name, checks)) for name in names if name not in constant
         ],
-        constant=[(name, _cell(value)) for name, value in constant.items()],
+        constant=[(name, _cell(value) or "nan") for name, value in constant.items()],
         show_metrics=bool(names) or not summary.get("throughput"),
         headers=headers,
         rows=rows,

@@ -110,11 +110,15 @@ def improvement_note(t: dict) -> str | None:
     )
 
 
+def _spread(t: dict) -> str:
+    """IQR/median of each role's step times, e.g. "A 4.0%, B 12.0%"."""
+    return ", ".join(f"{role} {_float(v):.1%}" for role, v in (t.get("noise") or {}).items()) or "n/a"
+
+
 def _noise_note(t: dict) -> str | None:
     if not t.get("noisy"):
         return None
-    spread = ", ".join(f"{role} {_float(v):.1%}" for role, v in (t.get("noise") or {}).items())
-    return f"noisy: IQR/median over 10% within an arm ({spread}); the interval is wide for that reason"
+    return f"noisy: IQR/median over 10% within an arm ({_spread(t)}); the interval is wide for that reason"
 
 
 def _facts(t: dict, threshold: str) -> list[tuple[str, str]]:
@@ -124,7 +128,6 @@ def _facts(t: dict, threshold: str) -> list[tuple[str, str]]:
         if control
         else "not run (--control measures A against a copy of A)"
     )
-    noise = ", ".join(f"{role} {_float(v):.1%}" for role, v in (t.get("noise") or {}).items()) or "n/a"
     return [
         (f"{t.get('b')}/{t.get('a')} step time", _interval(t)),
         ("confidence", f"{_percent(t.get('confidence'))} Student-t interval over the per-block ratios"),
@@ -134,7 +137,7 @@ def _facts(t: dict, threshold: str) -> list[tuple[str, str]]:
             f"{t.get('blocks')} ABBA blocks of {t.get('steps')} steps, after {t.get('warmup')} warm-up steps per arm",
         ),
         ("timing", f"{t.get('timing')}, {t.get('mode')}"),
-        ("noise (IQR/median)", noise),
+        ("noise (IQR/median)", _spread(t)),
         ("control (A vs A)", control_text),
     ]
 
