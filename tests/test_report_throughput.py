@@ -42,8 +42,8 @@ def test_a_big_improvement_is_flagged_as_a_moved_baseline(tmp_path: Path) -> Non
     summary = write_throughput_run(tmp_path, a_step_s=0.10, b_step_s=0.08)
     html = section(render(tmp_path))
     assert summary["throughput"]["verdict"] == "pass" and summary["throughput"]["improvement"]
-    assert re.search(r'class="alert improvement">graph is 2[45]\.\d% faster than eager .*?check whether the baseline '
-                     r"moved</p>", html)  # fmt: skip
+    assert re.search(r'class="alert improvement">graph is 20\.\d% faster than eager \(step time × 0\.8\d\d, 2[45]\.\d% '
+                     r'more tokens/s\): check whether the baseline moved</p>', html)  # fmt: skip
     assert "throughput PASS" in html
     assert "note: graph is" in format_verdict_table(summary).splitlines()[1]
 
@@ -147,3 +147,24 @@ def test_a_noisy_measurement_says_why_its_interval_is_wide(tmp_path: Path) -> No
     summary["throughput"].update(noisy=True, noise={"A": 0.04, "B": 0.125})
     write_html(tmp_path / "report.html", summary, {}, throughput=read_throughput(tmp_path / "quiet"))
     assert "noisy: IQR/median over 10% within an arm (A 4.0%, B 12.5%)" in (tmp_path / "report.html").read_text()
+
+
+def test_an_inconclusive_verdict_from_a_noisy_control_says_so(tmp_path: Path) -> None:
+    """The gate overrides a decided interval when A against A lies beyond the threshold; "straddles" would be false."""
+    summary = write_throughput_run(tmp_path, control=True, a_step_s=0.08, b_step_s=0.1, verdict="inconclusive")
+    assert summary["throughput"]["low"] > 1.05  # the main interval alone would fail
+    html = section(render(tmp_path))
+    assert "the A/A control lies beyond the threshold 1.050" in html and "straddles" not in html
+
+
+def test_a_gate_that_could_not_judge_shows_its_reason(tmp_path: Path) -> None:
+    summary = write_throughput_run(tmp_path, blocks=1)
+    throughput = summary["throughput"]
+    for key in ("ratio", "low", "high", "per_block_ratios", "confidence", "noise"):
+        del throughput[key]
+    throughput.update(
+        verdict="error", headline="not judged: 1 complete ABBA block(s) of 1 recorded; an interval needs 2"
+    )
+    (tmp_path / "summary.json").write_text(json.dumps(summary | {"verdict": "error", "exit_code": 3}))
+    html = section(render(tmp_path))
+    assert "throughput ERROR" in html and "not judged: 1 complete ABBA block(s)" in html

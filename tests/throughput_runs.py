@@ -16,7 +16,7 @@ STEPS, WARMUP, TOKENS_PER_STEP = 5, 2, 256
 
 
 def measurements(series: str, arm_a: str, arm_b: str, blocks: int, a_step_s: float, b_step_s: float) -> list[dict]:
-    """One throughput.jsonl row per position of each ABBA block."""
+    """One throughput.jsonl row per position of each ABBA block; the control's B is A's second copy, "A2"."""
     rows = []
     for i, role in enumerate(abba_order(blocks)):
         block, position = i // len(BLOCK) + 1, i % len(BLOCK)
@@ -27,6 +27,7 @@ def measurements(series: str, arm_a: str, arm_b: str, blocks: int, a_step_s: flo
                 "block": block,
                 "position": position,
                 "role": role,
+                "copy": role if series == "main" or role == "A" else "A2",
                 "arm": arm_a if role == "A" else arm_b,
                 "steps": STEPS,
                 "first_step": WARMUP + 1 + (block - 1) * STEPS,
@@ -34,6 +35,7 @@ def measurements(series: str, arm_a: str, arm_b: str, blocks: int, a_step_s: flo
                 "step_time_s": step_time,
                 "tokens_per_s": TOKENS_PER_STEP / step_time,
                 "peak_memory_bytes": (120 if role == "A" else 150) * 2**20 + block * 2**16,
+                "timing": "wall",
             }
         )
     return rows
@@ -65,7 +67,8 @@ def write_throughput_run(
 ) -> dict:
     """Writes throughput.jsonl and summary.json into run_dir and returns the summary.
 
-    ``verdict`` overrides the judged one, for a gate whose interval straddles the threshold.
+    ``verdict`` overrides the judged one: the gate also calls a run inconclusive when its A/A control
+    lies beyond the threshold.
     """
     rows = measurements("main", a, b, blocks, a_step_s, b_step_s)
     control_rows = measurements("control", a, a, blocks, a_step_s, a_step_s * 1.002) if control else []
@@ -87,6 +90,7 @@ def write_throughput_run(
         **main,
         "noise": {"A": 0.01, "B": 0.02},
         "max_slowdown": max_slowdown,
+        "threshold": threshold,
         "verdict": verdict,
         "improvement": main["ratio"] < 1 / 1.2,
         "headline": headline,

@@ -64,9 +64,14 @@ def _ratio_text(value: object) -> str:
     return f"{number:.3f}" if math.isfinite(number) else ("∞" if number > 0 else "-∞")
 
 
-def _significant(value: object, unit: str = "") -> str:
+def _milliseconds(seconds: object) -> str:
+    number = _float(seconds)
+    return "n/a" if math.isnan(number) else f"{number * 1000:.2f} ms"
+
+
+def _rate(value: object) -> str:
     number = _float(value)
-    return "n/a" if math.isnan(number) else f"{number:.4g}{unit}"
+    return "n/a" if math.isnan(number) else f"{number:.0f}"
 
 
 def _mib(value: object) -> str:
@@ -83,30 +88,37 @@ def _interval(stats: dict) -> str:
     return f"{_ratio_text(stats.get('ratio'))} [{_ratio_text(stats.get('low'))}, {_ratio_text(stats.get('high'))}]"
 
 
-def _criterion(t: dict, threshold: str) -> str:
-    b, slowdown, confidence = t.get("b", "B"), _percent(t.get("max_slowdown")), _percent(t.get("confidence"))
-    low, high = _ratio_text(t.get("low")), _ratio_text(t.get("high"))
-    reasons = {
-        "pass": f"upper bound {high} ≤ threshold {threshold}: {b} is not slower beyond {slowdown}, "
-        f"with {confidence} confidence",
-        "fail": f"lower bound {low} > threshold {threshold}: {b} is slower beyond {slowdown}, "
-        f"with {confidence} confidence",
-        "inconclusive": f"the interval [{low}, {high}] straddles the threshold {threshold}: "
-        "neither a regression nor a pass; more blocks can decide it",
-    }
-    return reasons.get(str(t.get("verdict")), f"verdict {t.get('verdict')!r}")
+def _criterion(t: dict, threshold: float) -> str:
+    """Why the verdict follows from the interval and the threshold, as the gate (harness/throughput.py) decides."""
+    b, slowdown = t.get("b", "B"), _percent(t.get("max_slowdown"))
+    confidence = f"{_percent(t.get('confidence'))} confidence"
+    low, high = _float(t.get("low")), _float(t.get("high"))
+    at = _ratio_text(threshold)
+    verdict = str(t.get("verdict"))
+    if verdict == "pass":
+        return f"upper bound {_ratio_text(high)} ≤ threshold {at}: {b} is not slower beyond {slowdown} ({confidence})"
+    if verdict == "fail":
+        return f"lower bound {_ratio_text(low)} > threshold {at}: {b} is slower beyond {slowdown} ({confidence})"
+    if verdict == "inconclusive" and (low > threshold or high <= threshold):  # the interval decided; the control not
+        return f"the A/A control lies beyond the threshold {at}: this machine is too noisy for the gate to decide"
+    if verdict == "inconclusive":
+        return (
+            f"the interval [{_ratio_text(low)}, {_ratio_text(high)}] straddles the threshold {at}: "
+            "neither a regression nor a pass; more blocks can decide it"
+        )
+    return f"not judged ({verdict}): see the headline"
 
 
 def improvement_note(t: dict) -> str | None:
     """The warning for a big speed-up of B (summary["throughput"]["improvement"]), which usually means
-    that the baseline moved. Step time ratio r means B does 1/r as much work per second: "X% faster"
-    is 1/r - 1."""
+    that the baseline moved. "X% faster" is the step time saved, 1 - r for step time ratio r, as the
+    gate's headline says it; the tokens/s gained, 1/r - 1, is given beside it."""
     ratio = _float(t.get("ratio"))
     if not t.get("improvement") or not ratio > 0:
         return None
     return (
-        f"{t.get('b')} is {1 / ratio - 1:.1%} faster than {t.get('a')} (step time × {ratio:.3f}): "
-        "check whether the baseline moved"
+        f"{t.get('b')} is {1 - ratio:.1%} faster than {t.get('a')} (step time × {ratio:.3f},"
+        f" {1 / ratio - 1:.1%} more tokens/s): check whether the baseline moved"
     )
 
 
@@ -173,11 +185,17 @@ def _ordered(frame: pd.DataFrame) -> pd.DataFrame:
     return frame.assign(_rank=rank).sort_values(["_rank", "block", "position"], kind="stable").drop(columns="_rank")
 
 
+def _copy(rows: pd.DataFrame, role: str) -> str:
+    """The trainer a role's rows time: "A2" for the control's second copy of A; the role without copies."""
+    return "/".join(rows["copy"].astype(str).unique()) if "copy" in rows.columns else role
+
+
 def _distribution_plot(frame: pd.DataFrame) -> str:
     """Step time of every measurement per series and role (box and points), and peak memory per block."""
     # Position 0 is A and position 1 is B in every block: main A, main B, control A, control B.
     series_roles = list(_ordered(frame).groupby(["series", "role"], sort=False))
-    labels = [f"{series} {role}\n{'/'.join(rows['arm'].astype(str).unique())}" for (series, role), rows in series_roles]
+    labels = [f"{series} {_copy(rows, role)}\n{'/'.join(rows['arm'].astype(str).unique())}"
+              for (series, role), rows in series_roles]  # fmt: skip
     fig = Figure(figsize=(11, 3.6), dpi=100, layout="constrained")
     ax_time, ax_memory = fig.subplots(1, 2)
     times = [rows["step_time_s"].astype("float64").dropna().to_numpy() for _, rows in series_roles]
@@ -224,9 +242,9 @@ def _block_rows(frame: pd.DataFrame, t: dict) -> list[dict]:
                     "role": m.get("role"),
                     "arm": m.get("arm"),
                     "steps": f"{steps} (from step {first})" if first is not None else str(steps),
-                    "seconds": _significant(m.get("seconds"), " s"),
-                    "step_time": _significant(m.get("step_time_s"), " s"),
-                    "tokens_per_s": _significant(m.get("tokens_per_s")),
+                    "seconds": _milliseconds(m.get("seconds")),
+                    "step_time": _milliseconds(m.get("step_time_s")),
+                    "tokens_per_s": _rate(m.get("tokens_per_s")),
                     "peak_memory": _mib(m.get("peak_memory_bytes")),
                     "ratio": ratio if i == 0 else None,
                     "ratio_rows": len(measured),
@@ -237,14 +255,14 @@ def _block_rows(frame: pd.DataFrame, t: dict) -> list[dict]:
 
 def throughput_view(t: dict, frame: pd.DataFrame | None) -> ThroughputView:
     """Formats summary.json's "throughput" and the rows of throughput.jsonl for the template."""
-    threshold = 1 + _float(t.get("max_slowdown"))
+    threshold = _float(t["threshold"]) if "threshold" in t else 1 + _float(t.get("max_slowdown"))
     threshold_text = _ratio_text(threshold)
     separate = t.get("mode") == "separate-launches" or bool(t.get("startup_included"))
     measured = frame is not None and not frame.empty
     return ThroughputView(
         verdict=str(t.get("verdict")),
         headline=str(t.get("headline") or ""),
-        criterion=_criterion(t, threshold_text),
+        criterion=_criterion(t, threshold),
         facts=_facts(t, threshold_text),
         improvement=improvement_note(t),
         startup_note=(
@@ -257,9 +275,9 @@ def throughput_view(t: dict, frame: pd.DataFrame | None) -> ThroughputView:
         arms=[
             {
                 "arm": arm,
-                "role": "A" if arm == t.get("a") else "B" if arm == t.get("b") else "",
-                "step_time": _significant(stats.get("step_time_s"), " s"),
-                "tokens_per_s": _significant(stats.get("tokens_per_s")),
+                "role": "A" if arm == t.get("a") else "B",  # B is labelled "<arm> (copy B)" when A is B
+                "step_time": _milliseconds(stats.get("step_time_s")),
+                "tokens_per_s": _rate(stats.get("tokens_per_s")),
                 "peak_memory": _mib(stats.get("peak_memory_bytes")),
             }
             for arm, stats in (t.get("arms") or {}).items()
