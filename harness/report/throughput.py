@@ -18,8 +18,8 @@ from matplotlib.ticker import MaxNLocator
 
 from harness.records import read_jsonl
 from harness.report.figures import literal, png_base64
+from harness.throughput import RECORDS
 
-THROUGHPUT_FILE = "throughput.jsonl"
 _SERIES_ORDER = ("main", "control")
 _MIB = 2**20
 
@@ -30,7 +30,7 @@ def read_throughput(run_dir: Path) -> pd.DataFrame | None:
     Raises :class:`~harness.records.RecordError` when the file is corrupt (a line cut short by a
     crash at the very end is dropped, as for every streamed record).
     """
-    path = Path(run_dir) / THROUGHPUT_FILE
+    path = Path(run_dir) / RECORDS
     return pd.DataFrame(read_jsonl(path)) if path.is_file() else None
 
 
@@ -39,6 +39,7 @@ class ThroughputView:
     """What the template shows of a throughput run, formatted."""
 
     verdict: str
+    measured: str  # "B/A step time = ratio [low, high] · threshold t (1 + max slowdown)"
     headline: str
     criterion: str  # why the verdict follows from the interval and the threshold
     facts: list[tuple[str, str]]
@@ -133,7 +134,15 @@ def _noise_note(t: dict) -> str | None:
     return f"noisy: IQR/median over 10% within an arm ({_spread(t)}); the interval is wide for that reason"
 
 
-def _facts(t: dict, threshold: str) -> list[tuple[str, str]]:
+def _ratio_label(t: dict) -> str:
+    return f"{t.get('b')}/{t.get('a')} step time"
+
+
+def _threshold_text(t: dict, threshold: float) -> str:
+    return f"{_ratio_text(threshold)} (1 + max slowdown {_percent(t.get('max_slowdown'))})"
+
+
+def _facts(t: dict, threshold: float) -> list[tuple[str, str]]:
     control = t.get("control")
     control_text = (
         f"{_interval(control)}{' (noisy)' if control.get('noisy') else ''}: the noise floor of this machine"
@@ -141,9 +150,9 @@ def _facts(t: dict, threshold: str) -> list[tuple[str, str]]:
         else "not run (--control measures A against a copy of A)"
     )
     return [
-        (f"{t.get('b')}/{t.get('a')} step time", _interval(t)),
+        (_ratio_label(t), _interval(t)),
         ("confidence", f"{_percent(t.get('confidence'))} Student-t interval over the per-block ratios"),
-        ("threshold", f"{threshold} (1 + max slowdown {_percent(t.get('max_slowdown'))})"),
+        ("threshold", _threshold_text(t, threshold)),
         (
             "blocks",
             f"{t.get('blocks')} ABBA blocks of {t.get('steps')} steps, after {t.get('warmup')} warm-up steps per arm",
@@ -256,14 +265,14 @@ def _block_rows(frame: pd.DataFrame, t: dict) -> list[dict]:
 def throughput_view(t: dict, frame: pd.DataFrame | None) -> ThroughputView:
     """Formats summary.json's "throughput" and the rows of throughput.jsonl for the template."""
     threshold = _float(t["threshold"]) if "threshold" in t else 1 + _float(t.get("max_slowdown"))
-    threshold_text = _ratio_text(threshold)
     separate = t.get("mode") == "separate-launches" or bool(t.get("startup_included"))
     measured = frame is not None and not frame.empty
     return ThroughputView(
         verdict=str(t.get("verdict")),
+        measured=f"{_ratio_label(t)} = {_interval(t)} · threshold {_threshold_text(t, threshold)}",
         headline=str(t.get("headline") or ""),
         criterion=_criterion(t, threshold),
-        facts=_facts(t, threshold_text),
+        facts=_facts(t, threshold),
         improvement=improvement_note(t),
         startup_note=(
             "Each block position is its own launch (the arms need different process counts): start-up "
@@ -285,5 +294,5 @@ def throughput_view(t: dict, frame: pd.DataFrame | None) -> ThroughputView:
         ratio_plot=_ratio_plot(t, threshold),
         distribution_plot=_distribution_plot(frame) if measured else None,
         blocks=_block_rows(frame, t) if measured else [],
-        missing=None if measured else f"{THROUGHPUT_FILE} holds no measurements: no per-block values to show",
+        missing=None if measured else f"{RECORDS} holds no measurements: no per-block values to show",
     )
