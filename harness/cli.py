@@ -2,8 +2,9 @@
 
 Exit codes (run, abba and golden update): 0 pass, 1 a check failed (a regression), 2 bad usage,
 suite or input, 3 infrastructure (a rank killed or hung, a timeout, a launch failure, an internal
-error), 4 inconclusive (a throughput gate that needs more blocks), 128 + N cancelled by signal N. Every error is one line on the console; a traceback goes
-to the run's logs/harness.log, or to a file the line names when no run directory exists yet.
+error), 4 inconclusive (a throughput gate that needs more blocks), 128 + N cancelled by signal N.
+Every error is one line on the console; a traceback goes to the run's logs/harness.log, or to a
+file the line names when no run directory exists yet.
 """
 
 from __future__ import annotations

@@ -397,7 +397,11 @@ def golden_checks(plan: GoldenPlan, metrics: dict[str, pd.DataFrame], steps: int
         golden.suite, golden.env_key, golden.provenance, golden.config, golden.tier,
         {arm: {m: s[s.index <= steps] for m, s in ms.items()} for arm, ms in golden.arms.items()},
     )  # fmt: skip
-    results = compare_to_golden(trimmed, metrics, tier_from_spec(plan.tier))
+    results = [
+        # Named "golden:<arm>[:<metric>]"; grouped as golden checks in the report, whatever their tier.
+        replace(r, kind="golden", arms=[r.name.split(":")[1]])
+        for r in compare_to_golden(trimmed, metrics, tier_from_spec(plan.tier))
+    ]
     if not plan.cross_env:
         return results
     return [replace(r, detail=f"cross-environment vs {golden.env_key}: {r.detail}") for r in results]

@@ -47,7 +47,7 @@ from harness.golden import (
 from harness.launch import LaunchGroup, LaunchResult, launch_group, plan_launches
 from harness.progress import BlockProgress, Progress
 from harness.records import ArmRecords, RecordError, read_arm, read_metrics, write_json_atomic
-from harness.report import format_verdict_table, write_html, write_junit
+from harness.report import format_verdict_table, read_throughput, write_html, write_junit
 from harness.specs import SuiteSpec
 from harness.throughput import judge_throughput, plan_throughput_launches
 from harness.triage import REGRESSION
@@ -427,11 +427,12 @@ def build_summary(
         "verdict": verdict,
         "exit_code": exit_code,
         "ranks": suite.ranks,
-        "steps": suite.steps,
+        "steps": suite.throughput.steps if suite.throughput else suite.steps,  # per block position
         "arms": {
-            arm: {"ranks": spec.ranks, "ep": spec.ep, "steps_completed": records[arm].steps_done()}
+            arm: {"ranks": spec.ranks, "ep": spec.ep}
+            | ({} if suite.throughput else {"steps_completed": records[arm].steps_done()})
             for arm, spec in suite.arms.items()
-            if arm in records
+            if arm in records or (suite.throughput and arm in (suite.throughput.a, suite.throughput.b))
         },
         "duration_s": round(duration_s, 3),
         "env_key": key,
@@ -475,7 +476,14 @@ def finish(
         try:
             write_json_atomic(run_dir / "summary.json", summary)
             write_junit(run_dir / "junit.xml", summary)
-            write_html(run_dir / "report.html", summary, metrics, golden=golden_frames(golden), manifest=manifest)
+            write_html(
+                run_dir / "report.html",
+                summary,
+                metrics,
+                golden=golden_frames(golden),
+                manifest=manifest,
+                throughput=read_throughput(run_dir),
+            )
             return summary["exit_code"]
         except Cancelled as c:
             mark_cancelled(summary, c)
@@ -518,10 +526,18 @@ def rerender(run_dir: Path, out: TextIO = sys.stdout) -> int:
             if summary["golden"]["mode"] == "check" and compared and os.path.isfile(compared)
             else None
         )
+        throughput = read_throughput(run_dir)
     except (OSError, ValueError, KeyError, TypeError, RecordError, GoldenError) as e:
         raise UsageError(f"{run_dir}: not a readable run directory: {e}") from None
     write_junit(run_dir / "junit.xml", summary)
-    write_html(run_dir / "report.html", summary, metrics, golden=golden_frames(golden), manifest=manifest)
+    write_html(
+        run_dir / "report.html",
+        summary,
+        metrics,
+        golden=golden_frames(golden),
+        manifest=manifest,
+        throughput=throughput,
+    )
     print(format_verdict_table(summary), file=out)
     print(f"run dir: {run_dir}", file=out)
     return EXIT_PASS

@@ -17,12 +17,16 @@ def format_verdict_table(summary: dict) -> str:
     means the baseline moved, and a green line alone would hide it.
     """
     checks = problems_first(summary.get("checks", []))
+    throughput = summary.get("throughput") or {}
+    steps = f"{summary.get('steps')} steps"
+    if throughput:
+        steps = f"{throughput.get('blocks')} ABBA blocks of {steps}"
     head = (
         f"{summary.get('suite')}: {str(summary.get('verdict')).upper()} (exit {summary.get('exit_code')})"
-        f" - {len(checks)} checks, {summary.get('ranks')} ranks, {summary.get('steps')} steps,"
+        f" - {len(checks)} checks, {summary.get('ranks')} ranks, {steps},"
         f" {float(summary.get('duration_s') or 0.0):.1f} s"
     )
-    if note := improvement_note(summary.get("throughput") or {}):
+    if note := improvement_note(throughput):
         head += f"\n  note: {note}"
     rows = [(str(c.get("status", "?")).upper(), str(c.get("name", "?")), str(c.get("detail", ""))) for c in checks]
     if not rows:
