@@ -475,15 +475,7 @@ def finish(
     for attempt in range(2):
         try:
             write_json_atomic(run_dir / "summary.json", summary)
-            write_junit(run_dir / "junit.xml", summary)
-            write_html(
-                run_dir / "report.html",
-                summary,
-                metrics,
-                golden=golden_frames(golden),
-                manifest=manifest,
-                throughput=read_throughput(run_dir),
-            )
+            write_reports(run_dir, summary, metrics, golden, manifest, read_throughput(run_dir))
             return summary["exit_code"]
         except Cancelled as c:
             mark_cancelled(summary, c)
@@ -501,6 +493,26 @@ def finish(
                 continue
             return EXIT_INFRA
     return summary["exit_code"]
+
+
+def write_reports(
+    run_dir: Path,
+    summary: dict,
+    metrics: dict[str, pd.DataFrame],
+    golden: Golden | None,
+    manifest: dict,
+    throughput: pd.DataFrame | None,
+) -> None:
+    """junit.xml, then report.html (the slow one), from a run's summary and records."""
+    write_junit(run_dir / "junit.xml", summary)
+    write_html(
+        run_dir / "report.html",
+        summary,
+        metrics,
+        golden=golden_frames(golden),
+        manifest=manifest,
+        throughput=throughput,
+    )
 
 
 def golden_frames(golden: Golden | None) -> dict[str, pd.DataFrame] | None:
@@ -529,15 +541,7 @@ def rerender(run_dir: Path, out: TextIO = sys.stdout) -> int:
         throughput = read_throughput(run_dir)
     except (OSError, ValueError, KeyError, TypeError, RecordError, GoldenError) as e:
         raise UsageError(f"{run_dir}: not a readable run directory: {e}") from None
-    write_junit(run_dir / "junit.xml", summary)
-    write_html(
-        run_dir / "report.html",
-        summary,
-        metrics,
-        golden=golden_frames(golden),
-        manifest=manifest,
-        throughput=throughput,
-    )
+    write_reports(run_dir, summary, metrics, golden, manifest, throughput)
     print(format_verdict_table(summary), file=out)
     print(f"run dir: {run_dir}", file=out)
     return EXIT_PASS

@@ -17,10 +17,15 @@ training written from the definition. Their metrics lines add the pipeline's col
 revision, ages, batches_applied, correction statistics, forwards, recomputes). An arm with ``oracle = "hf"``
 runs ``Trainer`` in lockstep with Hugging Face transformers (:mod:`harness.oracles.hf`) and
 also streams ``arms/<arm>/fidelity.jsonl`` (process rank 0).
+
+A throughput run's group lists block positions instead (:mod:`harness.throughput`): the rank
+builds each copy of an arm once, records nothing of the training, and times the positions in
+order into ``throughput.jsonl`` (:func:`measure_throughput`).
 """
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import ctypes
 import ctypes.util
@@ -310,9 +315,7 @@ def measure_throughput(run_dir: Path, suite: dict[str, Any], measurements: list[
     copy of an arm once and warms it up, then records per position the slowest rank's seconds and
     the largest peak memory of any rank to ``throughput.jsonl`` (process rank 0)."""
     spec, debug = suite["throughput"], suite["debug"]
-    positions = {}
-    for m in measurements:
-        positions[m["copy"]] = positions.get(m["copy"], 0) + 1
+    positions = collections.Counter(m["copy"] for m in measurements)
     arms = {m["copy"]: m["arm"] for m in measurements}
     with contextlib.ExitStack() as stack:
         copies = {}
