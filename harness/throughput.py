@@ -138,7 +138,6 @@ def judge_throughput(suite: SuiteSpec, run_dir: Path, groups: list[LaunchGroup])
         "a": spec.a,
         "b": spec.b,
         "mode": "separate-launches" if separate_launches(groups) else "shared-processes",
-        "startup_included": False,
         "blocks": spec.blocks,
         "steps": spec.steps,
         "warmup": spec.warmup,

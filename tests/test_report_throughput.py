@@ -81,10 +81,10 @@ def test_an_inconclusive_gate_is_shown_as_such_everywhere(tmp_path: Path) -> Non
     assert skipped is not None and skipped.get("message").startswith("inconclusive: graph/eager step time")
 
 
-def test_separate_launches_say_that_start_up_is_measured(tmp_path: Path) -> None:
+def test_separate_launches_say_how_each_block_was_measured(tmp_path: Path) -> None:
     write_throughput_run(tmp_path / "separate", mode="separate-launches")
     write_throughput_run(tmp_path / "shared", mode="shared-processes")
-    note = "start-up (launch, imports, model build) is inside every measurement"
+    note = "Start-up (launch, imports, build, warm-up) is outside the step times"
     assert note in section(render(tmp_path / "separate"))
     assert note not in render(tmp_path / "shared")
 

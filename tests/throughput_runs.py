@@ -81,7 +81,6 @@ def write_throughput_run(
         "a": a,
         "b": b,
         "mode": mode,
-        "startup_included": mode == "separate-launches",
         "blocks": blocks,
         "steps": STEPS,
         "warmup": WARMUP,

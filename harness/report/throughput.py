@@ -44,7 +44,7 @@ class ThroughputView:
     criterion: str  # why the verdict follows from the interval and the threshold
     facts: list[tuple[str, str]]
     improvement: str | None  # a big speed-up, which usually means that the baseline moved
-    startup_note: str | None  # set when start-up is inside every measurement
+    startup_note: str | None  # set when every block position was a launch of its own
     noise_note: str | None
     arms: list[dict[str, str]]
     ratio_plot: str
@@ -265,7 +265,7 @@ def _block_rows(frame: pd.DataFrame, t: dict) -> list[dict]:
 def throughput_view(t: dict, frame: pd.DataFrame | None) -> ThroughputView:
     """Formats summary.json's "throughput" and the rows of throughput.jsonl for the template."""
     threshold = _float(t["threshold"]) if "threshold" in t else 1 + _float(t.get("max_slowdown"))
-    separate = t.get("mode") == "separate-launches" or bool(t.get("startup_included"))
+    separate = t.get("mode") == "separate-launches"
     measured = frame is not None and not frame.empty
     return ThroughputView(
         verdict=str(t.get("verdict")),
@@ -275,8 +275,10 @@ def throughput_view(t: dict, frame: pd.DataFrame | None) -> ThroughputView:
         facts=_facts(t, threshold),
         improvement=improvement_note(t),
         startup_note=(
-            "Each block position is its own launch (the arms need different process counts): start-up "
-            "(launch, imports, model build) is inside every measurement, so the ratio compares whole launches."
+            "Each block position is its own launch (the arms need different process counts): each rebuilds"
+            " its arm, warms it up and trains from step 1 again. Start-up (launch, imports, build, warm-up)"
+            " is outside the step times; each launch's wall time, start-up included, is under Launches in"
+            " summary.json."
             if separate
             else None
         ),
