@@ -74,9 +74,10 @@ def start_harness() -> Callable[..., subprocess.Popen]:
     """The real CLI, started and not waited for; killed at teardown if still running."""
     started: list[subprocess.Popen] = []
 
-    def start(*args: object) -> subprocess.Popen:
+    def start(*args: object, env: dict[str, object] | None = None) -> subprocess.Popen:
+        environ = {**os.environ, **{k: str(v) for k, v in (env or {}).items()}}
         proc = subprocess.Popen(
-            _command(args), cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=os.environ.copy()
+            _command(args), cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=environ
         )
         started.append(proc)
         return proc

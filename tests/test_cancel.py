@@ -20,9 +20,28 @@ def _wait_for(path: Path, proc: subprocess.Popen, timeout_s: float = 120) -> Non
         time.sleep(0.05)
 
 
-def _training(start_harness, out: Path) -> subprocess.Popen:
+# A run cancelled after a step or two renders its report in a blink (one value per metric: nothing
+# to plot), which can leave no time for a second signal to land before the harness exits. Held for
+# a few seconds, as a long run's plots hold it, the report gives the second signal its window.
+SLOW_REPORT = """
+import time
+import harness.report
+
+_write_html = harness.report.write_html
+
+
+def _slow_write_html(*args, **kwargs):
+    time.sleep(5)
+    return _write_html(*args, **kwargs)
+
+
+harness.report.write_html = _slow_write_html
+"""
+
+
+def _training(start_harness, out: Path, env: dict[str, object] | None = None) -> subprocess.Popen:
     """A long run, returned once its ranks have recorded a step."""
-    proc = start_harness("run", "logical-ranks", "--steps", 50, "--out", out)
+    proc = start_harness("run", "logical-ranks", "--steps", 50, "--out", out, env=env)
     _wait_for(out / "arms" / "procs" / "metrics.jsonl", proc)
     return proc
 
@@ -48,10 +67,10 @@ def test_signal_cancels_with_128_plus_n_and_writes_every_output(
 
 
 def test_second_sigint_while_the_outputs_are_written_aborts_with_130(
-    start_harness, processes_mentioning, tmp_path: Path
+    start_harness, processes_mentioning, plant, tmp_path: Path
 ) -> None:
     out = tmp_path / "run"
-    proc = _training(start_harness, out)
+    proc = _training(start_harness, out, plant(SLOW_REPORT))
     proc.send_signal(signal.SIGINT)
     _wait_for(out / "summary.json", proc, timeout_s=60)  # written first, before junit.xml and the report
     proc.send_signal(signal.SIGINT)
@@ -62,9 +81,11 @@ def test_second_sigint_while_the_outputs_are_written_aborts_with_130(
     assert not processes_mentioning(str(out))
 
 
-def test_second_sigint_during_the_launch_aborts_at_once(start_harness, processes_mentioning, tmp_path: Path) -> None:
+def test_second_sigint_during_the_launch_aborts_at_once(
+    start_harness, processes_mentioning, plant, tmp_path: Path
+) -> None:
     out = tmp_path / "run"
-    proc = _training(start_harness, out)
+    proc = _training(start_harness, out, plant(SLOW_REPORT))
     proc.send_signal(signal.SIGINT)
     time.sleep(0.3)  # two signals at once would reach Python as one; this one lands while the ranks stop
     proc.send_signal(signal.SIGINT)
