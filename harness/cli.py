@@ -1,4 +1,4 @@
-"""The ``harness`` command: list, run, abba, golden update, report, doctor.
+"""The ``harness`` command: list, run, abba, golden update, ci, report, doctor.
 
 Exit codes (run, abba and golden update): 0 pass, 1 a check failed (a regression), 2 bad usage,
 suite or input, 3 infrastructure (a rank killed or hung, a timeout, a launch failure, an internal
@@ -18,14 +18,24 @@ import traceback
 from pathlib import Path
 
 from harness.cancel import Cancelled
-from harness.environment import CPU_ISAS, describe_environment
+from harness.ci import run_gate
+from harness.environment import CPU_ISAS, cuda_preflight, describe_environment
 from harness.golden import GOLDEN_MODES, GoldenError
 from harness.run import EXIT_INFRA, EXIT_PASS, EXIT_USAGE, GOLDEN_DIR, RunOptions, UsageError, rerender, run_suite
 from harness.suites import SuiteError, list_suites, load_suite
 
 
-def _add_run_arguments(parser: argparse.ArgumentParser, steps_help: str = "training steps per arm") -> None:
-    parser.add_argument("suite", metavar="SUITE", help="a suite name under suites/, or a path to a suite file")
+def _add_run_arguments(
+    parser: argparse.ArgumentParser, steps_help: str = "training steps per arm", gate: bool = False
+) -> None:
+    """The options of one run; ``gate``: of each run of a ``harness ci`` gate, which takes several suites
+    and whose --out is the gate's directory."""
+    parser.add_argument(
+        "suite",
+        metavar="SUITE",
+        nargs="+" if gate else None,
+        help="a suite name under suites/, or a path to a suite file",
+    )
     # --ranks and --steps go through the suite validator (as "--set ranks=N"), so their errors read alike.
     parser.add_argument(
         "--ranks", metavar="N", help="processes of the suite's multi-process arms, and the EP degree (1-8)"
@@ -34,9 +44,12 @@ def _add_run_arguments(parser: argparse.ArgumentParser, steps_help: str = "train
     parser.add_argument(
         "--device", choices=("cpu", "cuda"), default="cpu", help="cpu: gloo; cuda: nccl, one GPU per rank"
     )
-    parser.add_argument(
-        "--out", type=Path, metavar="DIR", help="run directory (default reports/<suite>/<UTC timestamp>)"
+    out_help = (
+        "gate directory, a run directory OUT/<suite>/attempt-<k>/ per run (default reports/ci/<UTC timestamp>)"
+        if gate
+        else "run directory (default reports/<suite>/<UTC timestamp>)"
     )
+    parser.add_argument("--out", type=Path, metavar="DIR", help=out_help)
     parser.add_argument(
         "--timeout", type=float, default=600.0, metavar="S", help="wall-clock limit for all launches (default 600)"
     )
@@ -100,6 +113,18 @@ def build_parser() -> argparse.ArgumentParser:
         "--max-slowdown", metavar="F", help="the gate: B/A step time at most 1 + F, with confidence (default 0.05)"
     )
     abba.add_argument("--control", action="store_true", help="also time A against a copy of A: the noise floor")
+    ci = commands.add_parser(
+        "ci",
+        help="a CI gate: run several suites, retry infrastructure failures, one index.html and junit.xml",
+        description="Runs the suites one after another, each as `harness run` would, into OUT/<suite>/attempt-<k>/;"
+        " retries a suite only on exit 3 (infrastructure), writes OUT/ci.json, OUT/index.html and a merged"
+        " OUT/junit.xml, and exits with the worst code: a signal (128+N) > 1 > 2 > 3 > 4 > 0.",
+    )
+    _add_run_arguments(ci, gate=True)
+    ci.add_argument("--golden", choices=GOLDEN_MODES, default="auto", help="as for harness run (default auto)")
+    ci.add_argument(
+        "--retries", type=int, default=1, metavar="N", help="more attempts of a suite that exits 3 (default 1)"
+    )
     report = commands.add_parser("report", help="re-render report.html and junit.xml of a run directory")
     report.add_argument("run_dir", type=Path, metavar="RUN_DIR")
     doctor = commands.add_parser(
@@ -112,6 +137,13 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="DIR",
         help="golden root (default: the repository's golden/)",
     )
+    doctor.add_argument(
+        "--device",
+        choices=("cpu", "cuda"),
+        default="cpu",
+        help="cuda: also check what a GPU runner needs (exit 2, one line per missing item)",
+    )
+    doctor.add_argument("--ranks", type=int, default=2, metavar="N", help="GPUs --device cuda needs (default 2)")
     return parser
 
 
@@ -144,9 +176,13 @@ def _run(args: argparse.Namespace, argv: list[str], golden: str) -> int:
     suite = load_suite(args.suite, _overrides(args), device=args.device)
     if args.command == "abba" and suite.throughput is None:
         raise UsageError(f"harness abba: suite {suite.name} has no [throughput] table; name the arms with --a and --b")
+    return run_suite(suite, _run_options(args, argv, golden))
+
+
+def _run_options(args: argparse.Namespace, argv: list[str], golden: str) -> RunOptions:
     if not (args.timeout > 0 and math.isfinite(args.timeout)):  # also rejects nan
         raise UsageError(f"--timeout: expected a finite number of seconds > 0, got {args.timeout:g}")
-    options = RunOptions(
+    return RunOptions(
         device=args.device,
         out=args.out,
         timeout_s=args.timeout,
@@ -156,7 +192,6 @@ def _run(args: argparse.Namespace, argv: list[str], golden: str) -> int:
         command=("harness", *argv),
         verbose=args.verbose,
     )
-    return run_suite(suite, options)
 
 
 def _crash_log() -> Path:
@@ -198,8 +233,25 @@ def _command(args: argparse.Namespace, argv: list[str]) -> int:
         return _run(args, argv, "update")
     if args.command == "abba":
         return _run(args, argv, "off")
+    if args.command == "ci":
+        suites = [load_suite(name, _overrides(args), device=args.device) for name in args.suite]
+        return run_gate(suites, _run_options(args, argv, args.golden), args.retries)
     if args.command == "report":
         return rerender(args.run_dir)
     for key, value in describe_environment(args.golden_dir).items():
         print(f"{key:<14} {value}")
+    if args.device == "cuda":
+        return _cuda_preflight(args.ranks)
     return EXIT_PASS
+
+
+def _cuda_preflight(ranks: int) -> int:
+    """``harness doctor --device cuda``: each item a GPU runner needs, "ok" on stdout or "missing" on
+    stderr, one line each; exit 2 when any is missing, as the run it predicts would be refused or fail."""
+    missing = 0
+    for item in cuda_preflight(ranks):
+        print(
+            f"{'ok' if item.ok else 'missing'}: {item.item}: {item.detail}", file=sys.stdout if item.ok else sys.stderr
+        )
+        missing += not item.ok
+    return EXIT_USAGE if missing else EXIT_PASS

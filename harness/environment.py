@@ -157,3 +157,94 @@ def describe_environment(golden_dir: Path) -> dict[str, Any]:
     if cuda:
         info["env key cuda"] = run_env_key("cuda", "float32")
     return info
+
+
+# Values cuBLAS accepts for deterministic kernels; the ranks export the first when it is unset.
+DETERMINISTIC_CUBLAS = (":4096:8", ":16:8")
+
+
+@dataclass(frozen=True)
+class Preflight:
+    """One thing a GPU runner needs, whether it has it, and what was found."""
+
+    item: str
+    ok: bool
+    detail: str
+
+
+def cuda_preflight(ranks: int) -> list[Preflight]:
+    """``harness doctor --device cuda``: what ``--device cuda --ranks N`` needs on this machine.
+
+    A runner that lacks one of these would fail every suite the same way, as exit 3 after its
+    retries; the preflight names each missing item up front. The GPU probe (a deterministic
+    cuBLAS matmul on each GPU a rank would use) runs only where the GPUs are there to probe.
+    """
+    built = torch.version.cuda
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if built is None:
+        cuda = Preflight("cuda", False, f"torch {torch.__version__} is built without CUDA")
+    elif gpus == 0:
+        shown = "unset" if visible is None else repr(visible)
+        cuda = Preflight("cuda", False, f"torch (CUDA {built}) sees no GPU (CUDA_VISIBLE_DEVICES {shown})")
+    else:
+        cuda = Preflight("cuda", True, f"CUDA {built}, {gpus} GPUs: {torch.cuda.get_device_name(0)}")
+    checks = [
+        cuda,
+        Preflight("gpus", gpus >= ranks, f"{gpus} visible, --ranks {ranks} needs {ranks} (one per rank)"),
+        _nccl(),
+        _cublas_workspace(),
+        _deterministic_algorithms(),
+    ]
+    if gpus:
+        checks.append(_deterministic_matmul(min(gpus, ranks)))
+    return checks
+
+
+def _nccl() -> Preflight:
+    if not dist.is_nccl_available():
+        return Preflight("nccl", False, "torch.distributed has no NCCL backend in this build")
+    version = ".".join(map(str, torch.cuda.nccl.version())) if torch.version.cuda else "?"
+    return Preflight("nccl", True, f"NCCL {version}")
+
+
+def _cublas_workspace() -> Preflight:
+    value = os.environ.get("CUBLAS_WORKSPACE_CONFIG")
+    if value is None:
+        return Preflight("CUBLAS_WORKSPACE_CONFIG", True, f"unset: the ranks set {DETERMINISTIC_CUBLAS[0]}")
+    wanted = " or ".join(DETERMINISTIC_CUBLAS)
+    if value in DETERMINISTIC_CUBLAS:
+        return Preflight("CUBLAS_WORKSPACE_CONFIG", True, value)
+    return Preflight(
+        "CUBLAS_WORKSPACE_CONFIG", False, f"{value!r} in the environment; deterministic cuBLAS needs {wanted}"
+    )
+
+
+def _deterministic_algorithms() -> Preflight:
+    """Whether torch accepts deterministic-only mode, which the ranks switch on; the setting is restored."""
+    before = torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()
+    try:
+        torch.use_deterministic_algorithms(True)
+        return Preflight("deterministic algorithms", True, "torch.use_deterministic_algorithms(True) accepted")
+    except Exception as e:
+        return Preflight("deterministic algorithms", False, f"torch.use_deterministic_algorithms(True): {e}")
+    finally:
+        torch.use_deterministic_algorithms(before[0], warn_only=before[1])
+
+
+def _deterministic_matmul(gpus: int) -> Preflight:
+    """A matmul on each GPU a rank would use, deterministic and under the workspace the ranks set: a
+    GPU that is busy, faulty or refuses deterministic cuBLAS shows here, not as a rank's crash."""
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", DETERMINISTIC_CUBLAS[0])
+    before = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(True)
+    try:
+        for index in range(gpus):
+            ones = torch.ones(64, 64, device=f"cuda:{index}")
+            if not torch.equal(ones @ ones, torch.full_like(ones, 64.0)):
+                return Preflight("deterministic cuBLAS", False, f"cuda:{index}: a 64x64 matmul of ones is not 64")
+    except Exception as e:  # an unusable GPU: CUDA and cuBLAS report it as RuntimeError or worse
+        return Preflight("deterministic cuBLAS", False, f"cuda:{index}: {type(e).__name__}: {e}")
+    finally:
+        torch.use_deterministic_algorithms(before)
+    return Preflight("deterministic cuBLAS", True, f"a deterministic matmul ran on {gpus} GPU(s)")

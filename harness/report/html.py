@@ -195,3 +195,11 @@ def write_html(
     )
     Path(path).parent.mkdir(parents=True, exist_ok=True)
     Path(path).write_text(html, encoding="utf-8")
+
+
+def write_ci_index(path: Path, gate: dict) -> None:
+    """Renders a ``harness ci`` gate's index.html from its ci.json record: the gate's verdict, and each
+    suite's verdict and attempts, linking every attempt's report.html (paths relative to the gate)."""
+    html = _TEMPLATES.get_template("ci.html").render(gate=gate)
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    Path(path).write_text(html, encoding="utf-8")

@@ -29,7 +29,14 @@ def _failure_body(check: dict) -> str:
 
 
 def write_junit(path: Path, summary: dict) -> None:
-    """Writes summary.json's checks as a JUnit testsuite.
+    """Writes summary.json's checks as a JUnit testsuite (see :func:`junit_testsuite`)."""
+    root = ET.Element("testsuites")
+    root.append(junit_testsuite(summary))
+    _write(path, root)
+
+
+def junit_testsuite(summary: dict) -> ET.Element:
+    """summary.json's checks as one JUnit <testsuite>, one testcase per check.
 
     A run that ended in error with no erroring check (a rank crashed before any check ran) gets a
     synthetic "run" testcase in error, so CI never reads it as an empty, green suite. An inconclusive
@@ -42,9 +49,7 @@ def write_junit(path: Path, summary: dict) -> None:
         reason = summary.get("error") or f"run ended with verdict 'error' (exit code {summary.get('exit_code')})"
         checks.append({"name": "run", "kind": "run", "status": "error", "detail": reason})
     counts = status_counts(checks)
-    root = ET.Element("testsuites")
-    testsuite = ET.SubElement(
-        root,
+    testsuite = ET.Element(
         "testsuite",
         name=_text(suite),
         tests=str(len(checks)),
@@ -70,6 +75,27 @@ def write_junit(path: Path, summary: dict) -> None:
             # Not a pass and not a regression: CI shows it as not run, and the run's exit code 4 gates.
             element = ET.SubElement(case, "skipped", message=f"inconclusive: {detail}")
             element.text = _text(_failure_body(check))
+    return testsuite
+
+
+def read_testsuites(path: Path) -> list[ET.Element]:
+    """The <testsuite> elements of a JUnit file (its root, or the root's children); raises
+    OSError or ET.ParseError when the file is missing or unreadable."""
+    root = ET.parse(path).getroot()
+    return [root] if root.tag == "testsuite" else root.findall("testsuite")
+
+
+def write_merged_junit(path: Path, testsuites: list[ET.Element]) -> None:
+    """One JUnit file of several runs' testsuites, taken as they are, under totals CI can show at once."""
+    root = ET.Element("testsuites")
+    for key in ("tests", "failures", "errors", "skipped"):
+        root.set(key, str(sum(int(suite.get(key, 0)) for suite in testsuites)))
+    root.set("time", f"{sum(float(suite.get('time', 0)) for suite in testsuites):.3f}")
+    root.extend(testsuites)
+    _write(path, root)
+
+
+def _write(path: Path, root: ET.Element) -> None:
     ET.indent(root)
     Path(path).parent.mkdir(parents=True, exist_ok=True)
     ET.ElementTree(root).write(path, encoding="utf-8", xml_declaration=True)
