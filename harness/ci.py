@@ -95,7 +95,7 @@ def verdict_of_code(code: int) -> str:
 class Attempt:
     """One run of one suite: its exit code, verdict (summary.json's, or why there is none) and run dir."""
 
-    number: int
+    attempt: int  # 1, 2, ...
     exit_code: int
     verdict: str
     run_dir: str | None  # relative to the gate directory; None when the run was refused before it existed
@@ -104,15 +104,7 @@ class Attempt:
     report: str | None = None  # the run's report.html, relative to the gate directory, when it was written
 
     def to_dict(self) -> dict:
-        return {
-            "attempt": self.number,
-            "exit_code": self.exit_code,
-            "verdict": self.verdict,
-            "run_dir": self.run_dir,
-            "report": self.report,
-            "duration_s": round(self.duration_s, 3),
-            "error": self.error,
-        }
+        return {**dataclasses.asdict(self), "duration_s": round(self.duration_s, 3)}
 
 
 @dataclass
@@ -263,9 +255,9 @@ def _testsuites(gate_dir: Path, outcome: SuiteOutcome, gate: dict) -> list[ET.El
         try:
             return read_testsuites(path)
         except (OSError, ET.ParseError) as e:
-            reason = f"attempt {final.number} left no readable {path}: {e}"
+            reason = f"attempt {final.attempt} left no readable {path}: {e}"
             return [junit_testsuite({"suite": outcome.suite, "checks": [_run_case("error", reason)]})]
-    reason = final.error or f"attempt {final.number} ended with exit code {final.exit_code}"
+    reason = final.error or f"attempt {final.attempt} ended with exit code {final.exit_code}"
     return [junit_testsuite({"suite": outcome.suite, "checks": [_run_case("error", reason)]})]
 
 

@@ -248,6 +248,8 @@ def _command(args: argparse.Namespace, argv: list[str]) -> int:
 def _cuda_preflight(ranks: int) -> int:
     """``harness doctor --device cuda``: each item a GPU runner needs, "ok" on stdout or "missing" on
     stderr, one line each; exit 2 when any is missing, as the run it predicts would be refused or fail."""
+    if ranks < 1:
+        raise UsageError(f"--ranks: expected an int >= 1, got {ranks}")
     missing = 0
     for item in cuda_preflight(ranks):
         print(

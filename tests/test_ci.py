@@ -17,7 +17,7 @@ import torch.distributed as dist
 import yaml
 
 from harness.ci import worst_exit_code
-from harness.cli import build_parser
+from harness.cli import build_parser, main
 from harness.suites import list_suites
 
 REPO = Path(__file__).resolve().parent.parent
@@ -123,20 +123,24 @@ def test_sigint_stops_the_whole_gate_with_130(start_harness, processes_mentionin
     assert (gate / "index.html").is_file() and not processes_mentioning(str(gate))
 
 
-def test_bad_suite_name_among_several_exits_2_before_anything_runs(run_harness, tmp_path: Path) -> None:
+# The cases below stop before any rank starts, so they run the CLI in this process (capsys): a
+# subprocess would only add the start-up of torch to each.
+
+
+def test_bad_suite_name_among_several_exits_2_before_anything_runs(capsys, tmp_path: Path) -> None:
     gate = tmp_path / "gate"
-    run = run_harness("ci", "logical-ranks", "no-such-suite", "--out", gate)
-    assert run.returncode == 2, run.stdout + run.stderr
-    assert "no-such-suite" in run.stderr and "no such suite" in run.stderr
+    assert main(["ci", "logical-ranks", "no-such-suite", "--out", str(gate)]) == 2
+    assert "no-such-suite.toml: no such suite file" in capsys.readouterr().err
     assert not gate.exists()
-    twice = run_harness("ci", "logical-ranks", "logical-ranks", "--out", gate)
-    assert twice.returncode == 2 and "logical-ranks named more than once" in twice.stderr and not gate.exists()
+    assert main(["ci", "logical-ranks", "logical-ranks", "--out", str(gate)]) == 2
+    assert "logical-ranks named more than once" in capsys.readouterr().err and not gate.exists()
+    assert main(["ci", "logical-ranks", "--retries", "-1", "--out", str(gate)]) == 2 and not gate.exists()
 
 
-def test_suite_refused_in_the_gate_is_exit_2_without_a_retry_and_in_the_junit(run_harness, tmp_path: Path) -> None:
+def test_suite_refused_in_the_gate_is_exit_2_without_a_retry_and_in_the_junit(capsys, tmp_path: Path) -> None:
     gate = tmp_path / "gate"
-    run = run_harness("ci", "logical-ranks", "--golden", "check", "--golden-dir", tmp_path / "empty", "--out", gate)
-    assert run.returncode == 2, run.stdout + run.stderr
+    empty = tmp_path / "empty"
+    assert main(["ci", "logical-ranks", "--golden", "check", "--golden-dir", str(empty), "--out", str(gate)]) == 2
     [attempt] = _attempts(gate, "logical-ranks")
     assert (attempt["exit_code"], attempt["verdict"], attempt["run_dir"]) == (2, "usage", None)
     [case] = _testsuites(gate)["logical-ranks"]
@@ -164,21 +168,27 @@ def test_worst_exit_code_orders_signal_regression_usage_infrastructure_inconclus
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU is visible: the preflight has nothing to miss here")
-def test_doctor_cuda_names_each_missing_item_on_its_own_line_and_exits_2(run_harness) -> None:
-    run = run_harness("doctor", "--device", "cuda", "--ranks", 2)
-    assert run.returncode == 2, run.stdout + run.stderr
+def test_doctor_cuda_names_each_missing_item_on_its_own_line_and_exits_2(capsys, monkeypatch) -> None:
+    monkeypatch.delenv("CUBLAS_WORKSPACE_CONFIG", raising=False)
+    assert main(["doctor", "--device", "cuda", "--ranks", "2"]) == 2
+    out, err = capsys.readouterr()
     cuda = f"torch {torch.__version__} is built without CUDA" if torch.version.cuda is None else "sees no GPU"
     nccl = [] if dist.is_nccl_available() else ["missing: nccl: torch.distributed has no NCCL backend in this build"]
-    missing = run.stderr.splitlines()
+    missing = err.splitlines()
     assert missing[0].startswith("missing: cuda: ") and cuda in missing[0]
     assert missing[1:] == ["missing: gpus: 0 visible, --ranks 2 needs 2 (one per rank)", *nccl]
-    assert "ok: CUBLAS_WORKSPACE_CONFIG: unset: the ranks set :4096:8" in run.stdout
-    assert "ok: deterministic algorithms:" in run.stdout
-    bad = run_harness("doctor", "--device", "cuda", env={"CUBLAS_WORKSPACE_CONFIG": ":0:0"})
-    assert bad.returncode == 2 and len(bad.stderr.splitlines()) == len(missing) + 1
-    assert "missing: CUBLAS_WORKSPACE_CONFIG: ':0:0' in the environment" in bad.stderr
-    plain = run_harness("doctor")
-    assert plain.returncode == 0 and "missing" not in plain.stdout + plain.stderr and "ok:" not in plain.stdout
+    assert "ok: CUBLAS_WORKSPACE_CONFIG: unset: the ranks set :4096:8" in out.splitlines()
+    assert "ok: deterministic algorithms: torch.use_deterministic_algorithms(True) accepted" in out.splitlines()
+    monkeypatch.setenv("CUBLAS_WORKSPACE_CONFIG", ":0:0")
+    assert main(["doctor", "--device", "cuda", "--ranks", "2"]) == 2
+    err = capsys.readouterr().err.splitlines()
+    assert err == [
+        *missing,
+        "missing: CUBLAS_WORKSPACE_CONFIG: ':0:0' in the environment; deterministic cuBLAS needs :4096:8 or :16:8",
+    ]
+    assert main(["doctor"]) == 0  # plain doctor: no preflight
+    out, err = capsys.readouterr()
+    assert not err and not any(line.startswith(("ok:", "missing:")) for line in out.splitlines())
 
 
 def _workflow(name: str) -> dict:
