@@ -3,6 +3,8 @@
 Exit codes (run, abba and golden update): 0 pass, 1 a check failed (a regression), 2 bad usage,
 suite or input, 3 infrastructure (a rank killed or hung, a timeout, a launch failure, an internal
 error), 4 inconclusive (a throughput gate that needs more blocks), 128 + N cancelled by signal N.
+``harness ci`` exits with its suites' worst code (harness/ci.py); ``harness doctor --device cuda``
+exits 2 when the machine lacks something a GPU run needs.
 Every error is one line on the console; a traceback goes to the run's logs/harness.log, or to a
 file the line names when no run directory exists yet.
 """
