@@ -21,11 +21,11 @@ from harness.cancel import Cancelled
 from harness.environment import CPU_ISAS, describe_environment
 from harness.golden import GOLDEN_MODES, GoldenError
 from harness.run import EXIT_INFRA, EXIT_PASS, EXIT_USAGE, GOLDEN_DIR, RunOptions, UsageError, rerender, run_suite
-from harness.suites import SuiteError, list_suites, load_suite
+from harness.suites import SUITES_DIR, SuiteError, list_suites, load_suite
 
 
 def _add_run_arguments(parser: argparse.ArgumentParser, steps_help: str = "training steps per arm") -> None:
-    parser.add_argument("suite", metavar="SUITE", help="a suite name under suites/, or a path to a suite file")
+    parser.add_argument("suite", metavar="SUITE", help="a suite name (see harness list), or a path to a suite file")
     # --ranks and --steps go through the suite validator (as "--set ranks=N"), so their errors read alike.
     parser.add_argument(
         "--ranks", metavar="N", help="processes of the suite's multi-process arms, and the EP degree (1-8)"
@@ -35,7 +35,7 @@ def _add_run_arguments(parser: argparse.ArgumentParser, steps_help: str = "train
         "--device", choices=("cpu", "cuda"), default="cpu", help="cpu: gloo; cuda: nccl, one GPU per rank"
     )
     parser.add_argument(
-        "--out", type=Path, metavar="DIR", help="run directory (default reports/<suite>/<UTC timestamp>)"
+        "--out", type=Path, metavar="DIR", help="run directory (default ./reports/<suite>/<UTC timestamp>)"
     )
     parser.add_argument(
         "--timeout", type=float, default=600.0, metavar="S", help="wall-clock limit for all launches (default 600)"
@@ -45,8 +45,9 @@ def _add_run_arguments(parser: argparse.ArgumentParser, steps_help: str = "train
         type=Path,
         default=GOLDEN_DIR,
         metavar="DIR",
-        help="golden root (default: the repository's golden/)",
+        help="golden root (default: the shipped goldens, or $HARNESS_GOLDEN_DIR)",
     )
+    _add_suites_dir_argument(parser)
     parser.add_argument(
         "--cpu-isa", choices=CPU_ISAS, default="avx2",
         help="CPU kernels: avx2 (default) pins them, so goldens check bitwise on any x86-64 with AVX2;"
@@ -65,12 +66,27 @@ def _add_run_arguments(parser: argparse.ArgumentParser, steps_help: str = "train
     )
 
 
+def _add_suites_dir_argument(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--suites-dir", type=Path, metavar="DIR", help="where SUITE names are looked up (default: the shipped suites)"
+    )
+
+
+def _suites_dir(args: argparse.Namespace) -> Path:
+    """``--suites-dir DIR``, which must exist (a typo is an error, not an empty list), or the shipped suites."""
+    if args.suites_dir is None:
+        return SUITES_DIR
+    if not args.suites_dir.is_dir():
+        raise UsageError(f"--suites-dir {args.suites_dir}: no such directory")
+    return args.suites_dir
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="harness", description="Verify distributed LLM training changes with paired runs."
     )
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    commands.add_parser("list", help="list the suites")
+    _add_suites_dir_argument(commands.add_parser("list", help="list the suites"))
     run = commands.add_parser("run", help="run a suite and compare its arms")
     _add_run_arguments(run)
     run.add_argument(
@@ -110,7 +126,7 @@ def build_parser() -> argparse.ArgumentParser:
         type=Path,
         default=GOLDEN_DIR,
         metavar="DIR",
-        help="golden root (default: the repository's golden/)",
+        help="golden root (default: the shipped goldens, or $HARNESS_GOLDEN_DIR)",
     )
     return parser
 
@@ -141,7 +157,7 @@ def _toml(flag: str, value: str) -> str:
 
 
 def _run(args: argparse.Namespace, argv: list[str], golden: str) -> int:
-    suite = load_suite(args.suite, _overrides(args), device=args.device)
+    suite = load_suite(args.suite, _overrides(args), device=args.device, suites_dir=_suites_dir(args))
     if args.command == "abba" and suite.throughput is None:
         raise UsageError(f"harness abba: suite {suite.name} has no [throughput] table; name the arms with --a and --b")
     if not (args.timeout > 0 and math.isfinite(args.timeout)):  # also rejects nan
@@ -187,7 +203,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def _command(args: argparse.Namespace, argv: list[str]) -> int:
     if args.command == "list":
-        suites = list_suites()
+        suites = list_suites(_suites_dir(args))
         width = max((len(name) for name, _ in suites), default=0)
         for name, description in suites:
             print(f"{name:<{width}}  {description}")
