@@ -21,6 +21,7 @@ from harness.cancel import Cancelled
 from harness.environment import CPU_ISAS, describe_environment
 from harness.golden import GOLDEN_MODES, GoldenError
 from harness.run import EXIT_INFRA, EXIT_PASS, EXIT_USAGE, GOLDEN_DIR, RunOptions, UsageError, rerender, run_suite
+from harness.shipped import inside_package
 from harness.suites import SUITES_DIR, SuiteError, list_suites, load_suite
 
 
@@ -162,6 +163,11 @@ def _run(args: argparse.Namespace, argv: list[str], golden: str) -> int:
         raise UsageError(f"harness abba: suite {suite.name} has no [throughput] table; name the arms with --a and --b")
     if not (args.timeout > 0 and math.isfinite(args.timeout)):  # also rejects nan
         raise UsageError(f"--timeout: expected a finite number of seconds > 0, got {args.timeout:g}")
+    if golden == "update" and inside_package(args.golden_dir):
+        raise UsageError(
+            f"--golden-dir {args.golden_dir}: the shipped goldens of the installed package are read-only;"
+            " record goldens in a folder of your own with --golden-dir DIR"
+        )
     options = RunOptions(
         device=args.device,
         out=args.out,

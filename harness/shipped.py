@@ -11,8 +11,9 @@ from __future__ import annotations
 import importlib.resources
 from pathlib import Path
 
+PACKAGE_DIR = Path(__file__).resolve().parent
 # The checkout holding this package, when it runs from one (directly or as an editable install).
-SOURCE_ROOT = Path(__file__).resolve().parent.parent
+SOURCE_ROOT = PACKAGE_DIR.parent
 
 
 def shipped_dir(folder: str) -> Path:
@@ -26,3 +27,8 @@ def shipped_dir(folder: str) -> Path:
 def in_checkout() -> bool:
     """True when the harness runs from a git checkout of its source (so it has a commit to name)."""
     return (SOURCE_ROOT / ".git").exists()
+
+
+def inside_package(path: Path) -> bool:
+    """True for a path in the installed package: shipped data to read, never a place to write."""
+    return path.resolve().is_relative_to(PACKAGE_DIR)

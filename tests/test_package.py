@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 
 from harness.cli import main
+from harness.shipped import PACKAGE_DIR
 
 REPO = Path(__file__).resolve().parent.parent
 # A user's own suite: one process, two identical arms, one step; quick to run.
@@ -163,3 +164,16 @@ def test_a_suite_missing_from_the_suites_dir_names_those_there(tmp_path: Path, c
     (tmp_path / "mine.toml").write_text(USER_SUITE)
     assert main(["run", "parity", "--suites-dir", str(tmp_path)]) == 2
     assert "parity.toml: no such suite file (suites: mine)" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "command", [("golden", "update", "parity"), ("run", "parity", "--golden", "update")], ids=" ".join
+)
+def test_goldens_are_never_recorded_into_the_installed_package(command, capsys) -> None:
+    packaged = PACKAGE_DIR / "_golden"  # where a wheel install keeps the shipped goldens
+    assert main([*command, "--golden-dir", str(packaged)]) == 2
+    (line,) = capsys.readouterr().err.splitlines()
+    assert line.startswith(
+        f"error: --golden-dir {packaged}: the shipped goldens of the installed package are read-only"
+    )
+    assert not packaged.exists()
