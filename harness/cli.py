@@ -24,7 +24,8 @@ from harness.ci import run_gate
 from harness.environment import CPU_ISAS, cuda_preflight, describe_environment
 from harness.golden import GOLDEN_MODES, GoldenError
 from harness.run import EXIT_INFRA, EXIT_PASS, EXIT_USAGE, GOLDEN_DIR, RunOptions, UsageError, rerender, run_suite
-from harness.suites import SuiteError, list_suites, load_suite
+from harness.shipped import inside_package
+from harness.suites import SUITES_DIR, SuiteError, list_suites, load_suite
 
 
 def _add_run_arguments(
@@ -36,7 +37,7 @@ def _add_run_arguments(
         "suite",
         metavar="SUITE",
         nargs="+" if gate else None,
-        help="a suite name under suites/, or a path to a suite file",
+        help="a suite name (see harness list), or a path to a suite file",
     )
     # --ranks and --steps go through the suite validator (as "--set ranks=N"), so their errors read alike.
     parser.add_argument(
@@ -47,9 +48,9 @@ def _add_run_arguments(
         "--device", choices=("cpu", "cuda"), default="cpu", help="cpu: gloo; cuda: nccl, one GPU per rank"
     )
     out_help = (
-        "gate directory, a run directory OUT/<suite>/attempt-<k>/ per run (default reports/ci/<UTC timestamp>)"
+        "gate directory, a run directory OUT/<suite>/attempt-<k>/ per run (default ./reports/ci/<UTC timestamp>)"
         if gate
-        else "run directory (default reports/<suite>/<UTC timestamp>)"
+        else "run directory (default ./reports/<suite>/<UTC timestamp>)"
     )
     parser.add_argument("--out", type=Path, metavar="DIR", help=out_help)
     parser.add_argument(
@@ -60,8 +61,9 @@ def _add_run_arguments(
         type=Path,
         default=GOLDEN_DIR,
         metavar="DIR",
-        help="golden root (default: the repository's golden/)",
+        help="golden root (default: the shipped goldens, or $HARNESS_GOLDEN_DIR)",
     )
+    _add_suites_dir_argument(parser)
     parser.add_argument(
         "--cpu-isa", choices=CPU_ISAS, default="avx2",
         help="CPU kernels: avx2 (default) pins them, so goldens check bitwise on any x86-64 with AVX2;"
@@ -80,12 +82,27 @@ def _add_run_arguments(
     )
 
 
+def _add_suites_dir_argument(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--suites-dir", type=Path, metavar="DIR", help="where SUITE names are looked up (default: the shipped suites)"
+    )
+
+
+def _suites_dir(args: argparse.Namespace) -> Path:
+    """``--suites-dir DIR``, which must exist (a typo is an error, not an empty list), or the shipped suites."""
+    if args.suites_dir is None:
+        return SUITES_DIR
+    if not args.suites_dir.is_dir():
+        raise UsageError(f"--suites-dir {args.suites_dir}: no such directory")
+    return args.suites_dir
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="harness", description="Verify distributed LLM training changes with paired runs."
     )
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    commands.add_parser("list", help="list the suites")
+    _add_suites_dir_argument(commands.add_parser("list", help="list the suites"))
     run = commands.add_parser("run", help="run a suite and compare its arms")
     _add_run_arguments(run)
     run.add_argument(
@@ -137,7 +154,7 @@ def build_parser() -> argparse.ArgumentParser:
         type=Path,
         default=GOLDEN_DIR,
         metavar="DIR",
-        help="golden root (default: the repository's golden/)",
+        help="golden root (default: the shipped goldens, or $HARNESS_GOLDEN_DIR)",
     )
     doctor.add_argument(
         "--device",
@@ -175,7 +192,7 @@ def _toml(flag: str, value: str) -> str:
 
 
 def _run(args: argparse.Namespace, argv: list[str], golden: str) -> int:
-    suite = load_suite(args.suite, _overrides(args), device=args.device)
+    suite = load_suite(args.suite, _overrides(args), device=args.device, suites_dir=_suites_dir(args))
     if args.command == "abba" and suite.throughput is None:
         raise UsageError(f"harness abba: suite {suite.name} has no [throughput] table; name the arms with --a and --b")
     return run_suite(suite, _run_options(args, argv, golden))
@@ -184,6 +201,11 @@ def _run(args: argparse.Namespace, argv: list[str], golden: str) -> int:
 def _run_options(args: argparse.Namespace, argv: list[str], golden: str) -> RunOptions:
     if not (args.timeout > 0 and math.isfinite(args.timeout)):  # also rejects nan
         raise UsageError(f"--timeout: expected a finite number of seconds > 0, got {args.timeout:g}")
+    if golden == "update" and inside_package(args.golden_dir):
+        raise UsageError(
+            f"--golden-dir {args.golden_dir}: the shipped goldens of the installed package are read-only;"
+            " record goldens in a folder of your own with --golden-dir DIR"
+        )
     return RunOptions(
         device=args.device,
         out=args.out,
@@ -224,7 +246,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def _command(args: argparse.Namespace, argv: list[str]) -> int:
     if args.command == "list":
-        suites = list_suites()
+        suites = list_suites(_suites_dir(args))
         width = max((len(name) for name, _ in suites), default=0)
         for name, description in suites:
             print(f"{name:<{width}}  {description}")
@@ -236,7 +258,9 @@ def _command(args: argparse.Namespace, argv: list[str]) -> int:
     if args.command == "abba":
         return _run(args, argv, "off")
     if args.command == "ci":
-        suites = [load_suite(name, _overrides(args), device=args.device) for name in args.suite]
+        suites = [
+            load_suite(name, _overrides(args), device=args.device, suites_dir=_suites_dir(args)) for name in args.suite
+        ]
         return run_gate(suites, _run_options(args, argv, args.golden), args.retries)
     if args.command == "report":
         return rerender(args.run_dir)

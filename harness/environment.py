@@ -26,8 +26,8 @@ import torch.distributed as dist
 
 import harness
 from harness.golden import env_key
+from harness.shipped import SOURCE_ROOT, in_checkout
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
 CPU_ISAS = ("avx2", "native")
 # What the AVX2 pin exports to every rank before torch loads there.
 AVX2_PIN = {
@@ -86,19 +86,22 @@ def cpu_pin(requested: str = "avx2") -> CpuPin:
     return CpuPin("avx2", "avx2", dict(AVX2_PIN))
 
 
-def git_sha() -> str:
-    """HEAD of the harness checkout, "-dirty" when it has local changes; "unknown" outside git."""
+def git_sha() -> str | None:
+    """HEAD of the harness checkout, "-dirty" when it has local changes; None for an installed package
+    (never the commit of some repository that happens to hold the site-packages) or without git."""
+    if not in_checkout():
+        return None
     try:
-        sha = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO_ROOT, capture_output=True, text=True, check=True)
+        sha = subprocess.run(["git", "rev-parse", "HEAD"], cwd=SOURCE_ROOT, capture_output=True, text=True, check=True)
         dirty = subprocess.run(
-            ["git", "status", "--porcelain"], cwd=REPO_ROOT, capture_output=True, text=True, check=True
+            ["git", "status", "--porcelain"], cwd=SOURCE_ROOT, capture_output=True, text=True, check=True
         )
     except (OSError, subprocess.CalledProcessError):
-        return "unknown"
+        return None
     return sha.stdout.strip() + ("-dirty" if dirty.stdout.strip() else "")
 
 
-def versions() -> dict[str, str]:
+def versions() -> dict[str, str | None]:
     return {
         "python": platform.python_version(),
         "torch": torch.__version__,

@@ -25,6 +25,8 @@ from harness.records import write_json_atomic
 # another configuration is refused or reported by name, never silently compared.
 SCHEMA = 2
 PROVENANCE_KEYS = ("torch", "device", "backend", "dtype", "harness", "git_sha", "date")
+# Null when an installed harness recorded the golden: it runs from no checkout, so has no commit to name.
+NULLABLE_PROVENANCE = ("git_sha",)
 _TOP_KEYS = {"schema", "suite", "env_key", "provenance", "config", "tier", "arms"}
 _TRAJECTORY_KEYS = {"start_step", "end_step", "values"}
 
@@ -43,7 +45,7 @@ class Golden:
 
     suite: str
     env_key: str
-    provenance: dict[str, str]
+    provenance: dict[str, str | None]
     config: dict  # {"steps": N, "arms": {arm: {"ranks": P, "config": non-default fields}}}
     tier: dict
     arms: dict[str, dict[str, pd.Series]]
@@ -143,8 +145,12 @@ def _parse(obj: Any, source: Any) -> Golden:
     if not isinstance(provenance, dict):
         raise GoldenError(source, "provenance", "expected an object")
     for key in PROVENANCE_KEYS:
-        if not isinstance(provenance.get(key), str):
-            raise GoldenError(source, f"provenance.{key}", f"expected a string, got {provenance.get(key)!r}")
+        value = provenance.get(key)
+        if key in NULLABLE_PROVENANCE and key in provenance and value is None:
+            continue
+        if not isinstance(value, str):
+            expected = "a string or null" if key in NULLABLE_PROVENANCE else "a string"
+            raise GoldenError(source, f"provenance.{key}", f"expected {expected}, got {value!r}")
     config = obj.get("config")
     if not isinstance(config, dict) or set(config) != {"steps", "arms"} or not isinstance(config["arms"], dict):
         raise GoldenError(source, "config", "expected an object with steps and arms")
@@ -185,7 +191,7 @@ def load_golden(path: Path) -> Golden:
 def golden_from_metrics(
     suite: str,
     env_key: str,
-    provenance: dict[str, str],
+    provenance: dict[str, str | None],
     config: dict,
     tier_spec: dict,
     metrics: dict[str, pd.DataFrame],

@@ -48,15 +48,16 @@ from harness.launch import LaunchGroup, LaunchResult, launch_group, plan_launche
 from harness.progress import BlockProgress, Progress
 from harness.records import ArmRecords, RecordError, read_arm, read_metrics, write_json_atomic
 from harness.report import format_verdict_table, read_throughput, write_html, write_junit
+from harness.shipped import shipped_dir
 from harness.specs import SuiteSpec
 from harness.throughput import judge_throughput, plan_throughput_launches
 from harness.triage import REGRESSION
 
 EXIT_PASS, EXIT_FAIL, EXIT_USAGE, EXIT_INFRA, EXIT_INCONCLUSIVE = 0, 1, 2, 3, 4
-REPO_ROOT = Path(__file__).resolve().parent.parent
-REPORTS_DIR = REPO_ROOT / "reports"
-# HARNESS_GOLDEN_DIR moves the default golden root (a CI cache, a test's empty directory).
-GOLDEN_DIR = Path(os.environ.get("HARNESS_GOLDEN_DIR", REPO_ROOT / "golden"))
+# Run directories go under ./reports of the working directory: never into an installed package.
+REPORTS_DIR = Path("reports")
+# The shipped goldens; HARNESS_GOLDEN_DIR moves the default golden root (a CI cache, a test's empty directory).
+GOLDEN_DIR = Path(os.environ.get("HARNESS_GOLDEN_DIR", shipped_dir("golden")))
 log = logging.getLogger("harness")
 STATUSES = ("pass", "fail", "error", "skip", "inconclusive")
 
@@ -103,7 +104,7 @@ def check_device(suite: SuiteSpec, device: str) -> None:
 
 
 def make_run_dir(suite: SuiteSpec, out: Path | None) -> Path:
-    """``--out DIR`` (new or empty), else reports/<suite>/<UTC timestamp>[-n], never reused."""
+    """``--out DIR`` (new or empty), else ./reports/<suite>/<UTC timestamp>[-n], never reused."""
     if out is not None:
         if out.exists() and (not out.is_dir() or any(out.iterdir())):
             raise UsageError(f"--out {out}: exists and is not an empty directory")
@@ -114,7 +115,7 @@ def make_run_dir(suite: SuiteSpec, out: Path | None) -> Path:
             raise UsageError(f"--out {out}: cannot create the run directory: {e.strerror}") from None
         return out
     stamp = datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%SZ")
-    base = REPORTS_DIR / suite.name
+    base = REPORTS_DIR.absolute() / suite.name
     try:
         base.mkdir(parents=True, exist_ok=True)
         for n in range(1, 1000):

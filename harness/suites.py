@@ -42,9 +42,11 @@ from harness.reference.model import CONFIGS, DeepseekV3Config, get_config
 from harness.reference.pec import PECConfig
 from harness.reference.pipeline import PipelineConfig
 from harness.reference.train import TrainConfig
+from harness.shipped import shipped_dir
 from harness.specs import ArmSpec, CheckSpec, DebugSpec, SuiteSpec, ThroughputSpec, train_config
 
-SUITES_DIR = Path(__file__).resolve().parent.parent / "suites"
+# The shipped suites; --suites-dir names a folder of the user's own instead.
+SUITES_DIR = shipped_dir("suites")
 MAX_RANKS = 8
 FAIL_MODES = ("raise", "hang", "exit", "kill", "stop")
 # Names that become paths (suites, arms) or labels (checks) must be safe as both.
@@ -107,18 +109,18 @@ class _Model:
     n_routed_experts: int
 
 
-def suite_path(name_or_path: str) -> Path:
-    """SUITE on the command line: a path to a TOML file, or the name of one under suites/."""
+def suite_path(name_or_path: str, suites_dir: Path = SUITES_DIR) -> Path:
+    """SUITE on the command line: a path to a TOML file, or the name of one in ``suites_dir``."""
     path = Path(name_or_path)
     if path.suffix == ".toml" or path.is_file():
         return path
-    return SUITES_DIR / f"{name_or_path}.toml"
+    return suites_dir / f"{name_or_path}.toml"
 
 
-def list_suites() -> list[tuple[str, str]]:
-    """(name, description) of every suite under suites/, read without validation."""
+def list_suites(suites_dir: Path = SUITES_DIR) -> list[tuple[str, str]]:
+    """(name, description) of every suite in ``suites_dir``, read without validation."""
     found = []
-    for path in sorted(SUITES_DIR.glob("*.toml")):
+    for path in sorted(suites_dir.glob("*.toml")):
         try:
             description = str(tomllib.loads(path.read_text()).get("description", ""))
         except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
@@ -127,16 +129,18 @@ def list_suites() -> list[tuple[str, str]]:
     return found
 
 
-def load_suite(name_or_path: str, overrides: list[tuple[str, str]] = (), device: str = "cpu") -> SuiteSpec:
+def load_suite(
+    name_or_path: str, overrides: list[tuple[str, str]] = (), device: str = "cpu", suites_dir: Path = SUITES_DIR
+) -> SuiteSpec:
     """Reads, overrides and validates a suite.
 
     ``overrides`` are (origin, "key=value") pairs, origin being how the user wrote it
     ("--set" or a dedicated flag such as "--ranks"), so errors can point back at it.
     """
-    path = suite_path(name_or_path)
+    path = suite_path(name_or_path, suites_dir)
     shown = _display(path)
     if not path.is_file():
-        known = ", ".join(name for name, _ in list_suites())
+        known = ", ".join(name for name, _ in list_suites(suites_dir))
         raise SuiteError(f"{shown}: no such suite file (suites: {known})")
     try:
         with path.open("rb") as f:

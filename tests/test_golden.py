@@ -80,6 +80,15 @@ def test_write_then_load_is_bit_exact(tmp_path):
     assert on_disk["arms"]["eager"]["loss"]["values"]["0"] == expected[0]
 
 
+def test_golden_recorded_by_an_installed_harness_has_no_git_sha(tmp_path):
+    golden = golden_from_metrics(
+        "parity", KEY, {**PROVENANCE, "git_sha": None}, CONFIG, {"kind": "exact"}, {"eager": frame()}
+    )
+    path = tmp_path / "parity" / f"{KEY}.json"
+    write_golden(path, golden)
+    assert load_golden(path).provenance["git_sha"] is None
+
+
 def test_write_golden_refuses_mismatched_file_name(tmp_path):
     with pytest.raises(ValueError, match=KEY):
         write_golden(tmp_path / "other.json", make())
@@ -114,7 +123,8 @@ def _valid():
             lambda d: d.update(env_key="cuda-nccl-float32-torch2.13"),
             ": env_key: 'cuda-nccl-float32-torch2.13' does not match",
         ),
-        (lambda d: d["provenance"].pop("git_sha"), ": provenance.git_sha: expected a string"),
+        (lambda d: d["provenance"].pop("git_sha"), ": provenance.git_sha: expected a string or null"),
+        (lambda d: d["provenance"].update(torch=None), ": provenance.torch: expected a string, got None"),
         (lambda d: d.update(tier={"kind": "close", "rtol": 1e-4}), ": tier: close check: missing field 'atol'"),
         (
             lambda d: d["arms"]["eager"]["loss"].update(values=[1.0, 2.0]),
