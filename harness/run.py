@@ -374,10 +374,19 @@ class PreparedRun:
     manifest: dict
 
 
-def prepare_run(suite: SuiteSpec, options: RunOptions, out: TextIO = sys.stdout) -> PreparedRun:
+def plan_groups(suite: SuiteSpec) -> list[LaunchGroup]:
+    """The launch groups of a suite, in the order they run."""
+    return plan_throughput_launches(suite) if suite.throughput else plan_launches(suite)
+
+
+def prepare_run(
+    suite: SuiteSpec, options: RunOptions, out: TextIO = sys.stdout, local_devices: bool = True
+) -> PreparedRun:
     """Validates what can be validated before launching, then creates the run directory and writes
-    manifest.json. Raises UsageError or GoldenError (exit 2); nothing has run then."""
-    check_device(suite, options.device)
+    manifest.json. Raises UsageError or GoldenError (exit 2); nothing has run then.
+    ``local_devices``: the ranks run here, so this machine must have their GPUs (not so on Slurm)."""
+    if local_devices:
+        check_device(suite, options.device)
     pin = cpu_pin(options.cpu_isa) if options.device == "cpu" else None
     key = run_env_key(options.device, suite_dtype(suite), pin)
     if suite.throughput and options.golden == "update":
@@ -394,13 +403,41 @@ def prepare_run(suite: SuiteSpec, options: RunOptions, out: TextIO = sys.stdout)
         golden = dataclasses.replace(golden, note=None)  # nothing to say: step times have no golden
     run_dir = make_run_dir(suite, options.out)
     with harness_log(run_dir), Cancellation():
-        groups = plan_throughput_launches(suite) if suite.throughput else plan_launches(suite)
+        groups = plan_groups(suite)
         manifest = build_manifest(suite, options, key, pin, golden, groups)
         write_json_atomic(run_dir / "manifest.json", manifest)
         for line in filter(None, [pin.note if pin else None, golden.note]):
             print(line, file=out)
             log.info(line)
     return PreparedRun(run_dir, suite, options, key, pin, golden, groups, manifest)
+
+
+def read_prepared(run_dir: Path, suite: SuiteSpec, options: RunOptions) -> PreparedRun:
+    """A prepared run read back from its manifest.json (``harness collect``), ``suite`` being the
+    suite loaded again: it must be the one the manifest recorded, or the judging would differ."""
+    try:
+        manifest = json.loads((run_dir / "manifest.json").read_text())
+        recorded, launches, golden = manifest["suite"], manifest["launches"], manifest["golden"]
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise UsageError(f"{run_dir}: not a readable run directory: {e}") from None
+    groups = plan_groups(suite)
+    if _plain({**suite.to_dict(), "path": None}) != {**recorded, "path": None} or _plain(
+        [dataclasses.asdict(g) for g in groups]
+    ) != _plain(launches):
+        raise UsageError(
+            f"{run_dir}: suite {suite.path} is not what the run recorded in manifest.json (changed since?)"
+        )
+    compared = golden["compared"]
+    recorded_golden = load_golden(Path(compared)) if compared else None
+    plan = GoldenPlan(golden["mode"], Path(golden["path"]), recorded_golden, golden["tier"], golden["note"])
+    pin = CpuPin(**manifest["cpu_isa"]) if manifest["cpu_isa"] else None
+    options = dataclasses.replace(options, device=manifest["device"], command=tuple(manifest["command"]))
+    return PreparedRun(run_dir, suite, options, manifest["env_key"], pin, plan, groups, manifest)
+
+
+def _plain(value: object) -> object:
+    """``value`` as JSON reads it back (tuples become lists): to compare with a recorded one."""
+    return json.loads(json.dumps(value))
 
 
 def run_suite(suite: SuiteSpec, options: RunOptions, out: TextIO = sys.stdout, err: TextIO = sys.stderr) -> int:
