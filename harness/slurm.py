@@ -228,6 +228,9 @@ def executor_parameters(
         "gpus_per_node": profile.gpus_per_node or None,
         "mem_gb": profile.mem_gb,
     }
+    # submitit asks Slurm for SIGUSR2 90 s before the time limit, for checkpointing the harness does not
+    # use; a job shorter than that gets it at once, before any handler, and dies of it. SIGURG is ignored.
+    additional = {"signal": "URG@90", **({"dependency": f"afterany:{after}"} if after else {})}
     return {
         "name": name,
         "nodes": nodes,
@@ -235,7 +238,7 @@ def executor_parameters(
         "cpus_per_task": profile.cpus_per_task,
         "timeout_min": profile.time_min,
         "slurm_setup": profile.script_setup(),
-        "slurm_additional_parameters": {"dependency": f"afterany:{after}"} if after else {},
+        "slurm_additional_parameters": additional,
         **{key: value for key, value in optional.items() if value is not None},
     }
 
@@ -323,17 +326,17 @@ def rendezvous_env() -> dict[str, str]:
     CUDA_VISIBLE_DEVICES stays as Slurm set it: the worker picks its GPU by LOCAL_RANK."""
     from submitit.helpers import TorchDistributedEnvironment
 
-    before = dict(os.environ)
     TorchDistributedEnvironment().export(set_cuda_visible_devices=False, overwrite=True)
-    return {key: value for key, value in os.environ.items() if before.get(key) != value}
+    keys = ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE")
+    return {key: os.environ[key] for key in keys}
 
 
 def run_task(run_dir: str, group_name: str, env: dict[str, str]) -> dict[str, Any]:
     """One task of a group's job: rank RANK of the group, run by the same worker as a local launch.
 
     Returns how the worker ended; its output goes to the group's ``rank<k>.log`` and a traceback to
-    ``rank<k>.error.json``, as under the elastic agent. The worker ignores submitit's SIGUSR2 (a
-    time-limit warning); this task ignores SIGUSR1, the stack dump the watch sends at --timeout.
+    ``rank<k>.error.json``, as under the elastic agent. The task ignores SIGUSR1, the stack dump
+    the watch sends to every process of the job at --timeout.
     """
     rendezvous = rendezvous_env()
     rank = int(rendezvous["RANK"])
@@ -344,14 +347,10 @@ def run_task(run_dir: str, group_name: str, env: dict[str, str]) -> dict[str, An
     error_file = log.with_name(f"rank{rank}.error.json")
     error_file.unlink(missing_ok=True)  # a requeued job starts clean
     worker_env = {**os.environ, **env, AGENT_PID_ENV: str(os.getpid()), "TORCHELASTIC_ERROR_FILE": str(error_file)}
-    signal.signal(signal.SIGUSR1, signal.SIG_IGN)
-    usr2 = signal.signal(signal.SIGUSR2, signal.SIG_IGN)  # inherited as ignored by the worker
-    try:
-        with log.open("ab") as out:
-            command = [sys.executable, "-m", "harness.worker", run_dir, group_name]
-            worker = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env=worker_env)
-    finally:
-        signal.signal(signal.SIGUSR2, usr2)
+    signal.signal(signal.SIGUSR1, signal.SIG_IGN)  # the worker installs its own stack-dump handler
+    with log.open("ab") as out:
+        command = [sys.executable, "-m", "harness.worker", run_dir, group_name]
+        worker = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env=worker_env)
     exitcode = worker.wait()
     return {
         "rank": rank,
