@@ -57,6 +57,7 @@ from harness.launch import (
     GroupLauncher,
     LaunchGroup,
     LaunchResult,
+    RankFailure,
     describe_failures,
     explain,
     has_stack,
@@ -507,26 +508,11 @@ class JobWatch:
         """How the job ended, as a launch result: a lost job, a timeout, failed ranks, or none."""
         stderr_path = job.file(run_dir, "log.err")
         stderr = _tail(stderr_path)
-        state = watched.state if watched.state in LOST_STATES else stepd_state(stderr) or watched.state
         missing = sorted(set(range(job.tasks)) - set(watched.results))
-        info = {
-            "id": job.job_id,
-            "state": state,
-            "stderr": str(stderr_path.relative_to(run_dir)),
-            "stderr_tail": stderr,
-        }
-        result = LaunchResult(group, duration_s, watched.timed_out, job=info)
-        failures = {
-            r["rank"]: ProcessFailure(r["rank"], r.get("pid", 0), r["exitcode"], r.get("error_file", ""))
-            for r in watched.results.values()
-            if r["exitcode"] != 0
-        }
-        died_at = {r.get("pid", 0): r["died_at"] for r in watched.results.values() if "died_at" in r}
-        result.failures = describe_failures(run_dir, group, failures, died_at)
-        for failure in result.failures:  # a task that raised before or after its worker
-            raised = next((r.get("traceback") for r in watched.results.values() if r["rank"] == failure.rank), None)
-            if raised:
-                failure.traceback = failure.message = raised
+        state = _final_state(watched, stderr, missing)
+        info = {"id": job.job_id, "state": state, "stderr": str(stderr_path.relative_to(run_dir))}
+        result = LaunchResult(group, duration_s, watched.timed_out, job=info | {"stderr_tail": stderr})
+        result.failures = _rank_failures(run_dir, group, watched.results)
         lost = not watched.stopped and (state in LOST_STATES or missing or watched.lost_reason)
         if watched.timed_out:
             result.verdict = Verdict(INFRASTRUCTURE, "timeout")
@@ -541,6 +527,34 @@ class JobWatch:
             return result
         result.error += f"\n(Slurm job {job.job_id}; its files: {JOB_DIR}/{job.job_id}_*)"
         return result
+
+
+def _final_state(watched: _Watched, stderr: str, missing: list[int]) -> str | None:
+    """The job's Slurm state as it ended: squeue's, else slurmstepd's word in its stderr, else
+    what the tasks' results say (all in: it completed, or the watch cancelled it)."""
+    if watched.state in LOST_STATES:
+        return watched.state
+    if announced := stepd_state(stderr):
+        return announced
+    if missing:
+        return watched.state
+    return "CANCELLED" if watched.stopped else "COMPLETED"
+
+
+def _rank_failures(run_dir: Path, group: LaunchGroup, results: dict[int, dict[str, Any]]) -> list[RankFailure]:
+    """The failed ranks among the tasks' results, described as launch.py describes a local group's."""
+    failures = {
+        r["rank"]: ProcessFailure(r["rank"], r.get("pid", 0), r["exitcode"], r.get("error_file", ""))
+        for r in results.values()
+        if r["exitcode"] != 0
+    }
+    died_at = {r.get("pid", 0): r["died_at"] for r in results.values() if "died_at" in r}
+    described = describe_failures(run_dir, group, failures, died_at)
+    for failure in described:  # a task that raised itself, outside its worker: submitit kept the traceback
+        raised = next((r.get("traceback") for r in results.values() if r["rank"] == failure.rank), None)
+        if raised:
+            failure.traceback = failure.message = raised
+    return described
 
 
 def _lost(
