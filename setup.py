@@ -10,6 +10,7 @@ from setuptools import find_packages, setup
 SHIPPED_FOLDERS = {
     "suites": ["*.toml"],
     "golden": ["**/*.json"],  # golden/<suite>/<env key>.json
+    "slurm": ["*.toml", "*.sh"],  # cluster profiles, and the one-node test cluster's script
 }
 DATA_PACKAGES = {f"harness._{folder}": folder for folder in SHIPPED_FOLDERS}
 

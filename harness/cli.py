@@ -1,4 +1,4 @@
-"""The ``harness`` command: list, run, abba, golden update, ci, report, doctor.
+"""The ``harness`` command: list, run, abba, golden update, ci, submit, collect, report, doctor.
 
 Exit codes (run, abba and golden update): 0 pass, 1 a check failed (a regression), 2 bad usage,
 suite or input, 3 infrastructure (a rank killed or hung, a timeout, a launch failure, an internal
@@ -25,6 +25,7 @@ from harness.environment import CPU_ISAS, cuda_preflight, describe_environment
 from harness.golden import GOLDEN_MODES, GoldenError
 from harness.run import EXIT_INFRA, EXIT_PASS, EXIT_USAGE, GOLDEN_DIR, RunOptions, UsageError, rerender, run_suite
 from harness.shipped import inside_package
+from harness.slurm import collect_run, load_profile, submit_suite
 from harness.suites import SUITES_DIR, SuiteError, list_suites, load_suite
 
 
@@ -144,6 +145,7 @@ def build_parser() -> argparse.ArgumentParser:
     ci.add_argument(
         "--retries", type=int, default=1, metavar="N", help="more attempts of a suite that exits 3 (default 1)"
     )
+    _add_slurm_commands(commands)
     report = commands.add_parser("report", help="re-render report.html and junit.xml of a run directory")
     report.add_argument("run_dir", type=Path, metavar="RUN_DIR")
     doctor = commands.add_parser(
@@ -164,6 +166,44 @@ def build_parser() -> argparse.ArgumentParser:
     )
     doctor.add_argument("--ranks", type=int, default=2, metavar="N", help="GPUs --device cuda needs (default 2)")
     return parser
+
+
+def _add_slurm_commands(commands: argparse._SubParsersAction) -> None:
+    """``harness submit`` (a run as Slurm jobs, through submitit) and ``harness collect`` (judge one later)."""
+    submit = commands.add_parser(
+        "submit",
+        help="run a suite as Slurm jobs (submitit) and judge it as harness run does",
+        description="Each launch group becomes one Slurm job of --nodes x (ranks / nodes) tasks; the harness"
+        " waits, watching squeue and the job files, then checks the records as harness run does.",
+    )
+    _add_run_arguments(submit)
+    submit.add_argument("--golden", choices=GOLDEN_MODES, default="auto", help="as for harness run")
+    submit.add_argument("--nodes", type=int, default=1, metavar="K", help="nodes per job; ranks must divide by K")
+    submit.add_argument("--profile", metavar="NAME|PATH", help="a cluster profile under slurm/ (e.g. local), or a file")
+    for flag, meaning in SLURM_FLAGS.items():
+        submit.add_argument(
+            f"--{flag.replace('_', '-')}", metavar=flag.upper(), help=f"{meaning} (overrides the profile)"
+        )
+    submit.add_argument(
+        "--no-wait", action="store_true", help="print the job ids and the run dir, and exit; judge later with collect"
+    )
+    collect = commands.add_parser(
+        "collect", help="wait for a run's Slurm jobs (harness submit --no-wait) and judge it as harness run does"
+    )
+    collect.add_argument("run_dir", type=Path, metavar="RUN_DIR")
+    collect.add_argument(
+        "--timeout", type=float, default=600.0, metavar="S", help="limit on the jobs' running time (default 600)"
+    )
+    collect.add_argument("--verbose", action="store_true", help="print every step as a plain line")
+
+
+# The profile fields harness submit sets by flag: --partition P, --account A, --time MIN, --gpus-per-node G.
+SLURM_FLAGS = {
+    "partition": "Slurm partition",
+    "account": "Slurm account",
+    "time": "Slurm time limit per job, in minutes",
+    "gpus_per_node": "GPUs per node",
+}
 
 
 # harness abba's flags that set [throughput] fields of the same name (--steps sets throughput.steps).
@@ -195,7 +235,22 @@ def _run(args: argparse.Namespace, argv: list[str], golden: str) -> int:
     suite = load_suite(args.suite, _overrides(args), device=args.device, suites_dir=_suites_dir(args))
     if args.command == "abba" and suite.throughput is None:
         raise UsageError(f"harness abba: suite {suite.name} has no [throughput] table; name the arms with --a and --b")
-    return run_suite(suite, _run_options(args, argv, golden))
+    options = _run_options(args, argv, golden)
+    if args.command == "submit":
+        flags = {
+            key: (f"--{key.replace('_', '-')}", _flag_value(getattr(args, key)))
+            for key in SLURM_FLAGS
+            if getattr(args, key) is not None
+        }
+        profile = load_profile(args.profile, flags)
+        source = {"suite": str(suite.path.resolve()), "overrides": _overrides(args)}
+        return submit_suite(suite, options, profile, args.nodes, source, wait=not args.no_wait)
+    return run_suite(suite, options)
+
+
+def _flag_value(text: str) -> int | str:
+    """A number as typed, so the profile validator reports "five" as not an int."""
+    return int(text) if text.lstrip("-").isdigit() else text
 
 
 def _run_options(args: argparse.Namespace, argv: list[str], golden: str) -> RunOptions:
@@ -251,8 +306,12 @@ def _command(args: argparse.Namespace, argv: list[str]) -> int:
         for name, description in suites:
             print(f"{name:<{width}}  {description}")
         return EXIT_PASS
-    if args.command == "run":
+    if args.command in ("run", "submit"):
         return _run(args, argv, args.golden)
+    if args.command == "collect":
+        if not (args.timeout > 0 and math.isfinite(args.timeout)):
+            raise UsageError(f"--timeout: expected a finite number of seconds > 0, got {args.timeout:g}")
+        return collect_run(args.run_dir, RunOptions(timeout_s=args.timeout, verbose=args.verbose))
     if args.command == "golden":
         return _run(args, argv, "update")
     if args.command == "abba":

@@ -33,7 +33,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 from torch.distributed.elastic.multiprocessing.api import LogsDest, LogsSpecs
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
@@ -102,6 +102,7 @@ class LaunchResult:
     headline: str | None = None  # the same, in one line
     failures: list[RankFailure] = field(default_factory=list)
     verdict: Verdict | None = None  # set when the group failed
+    job: dict[str, Any] | None = None  # the Slurm job that ran the group (slurm.py): id, state, stderr
 
     @property
     def ok(self) -> bool:
@@ -110,6 +111,22 @@ class LaunchResult:
     @property
     def root(self) -> RankFailure | None:
         return next((f for f in self.failures if f.root_cause), None)
+
+
+class GroupLauncher(Protocol):
+    """Runs one launch group to its end and says how it ended: ``launch_group`` here, or a Slurm
+    job (harness/slurm.py). Never raises for rank failures; ``Cancelled`` passes through."""
+
+    def __call__(
+        self,
+        run_dir: Path,
+        group: LaunchGroup,
+        *,
+        deadline: float,
+        timeout_s: float,
+        env: dict[str, str] | None = None,
+        tick: Callable[[], None] = ...,
+    ) -> LaunchResult: ...
 
 
 class _RankLogs(LogsSpecs):
@@ -197,7 +214,7 @@ class _Watchdog(threading.Thread):
             time.sleep(0.05)
         for pid in pids:
             _signal_group(pid, signal.SIGKILL)
-        self.dumped = sorted(r for r, log in logs.items() if log.stat().st_size > sizes[r] and _has_stack(log))
+        self.dumped = sorted(r for r, log in logs.items() if log.stat().st_size > sizes[r] and has_stack(log))
         self.silent = sorted(set(range(self.ranks)) - set(self.dumped))
 
     def stop(self) -> None:
@@ -205,7 +222,8 @@ class _Watchdog(threading.Thread):
         self.join()
 
 
-def _has_stack(log: Path) -> bool:
+def has_stack(log: Path) -> bool:
+    """Whether a rank log holds a faulthandler stack dump."""
     return "(most recent call first)" in log.read_text(errors="replace")
 
 
@@ -331,7 +349,7 @@ def launch_group(
         exits.stop()
     tick()
     oom_during = (oom_kills() or 0) - (oom_before or 0)
-    described = _describe_failures(run_dir, group, failures, exits.died_at)
+    described = describe_failures(run_dir, group, failures, exits.died_at)
     result = LaunchResult(group, time.monotonic() - start, watchdog.fired, failures=described)
     if watchdog.fired:
         result.verdict = Verdict(INFRASTRUCTURE, "timeout")
@@ -339,22 +357,21 @@ def launch_group(
         result.verdict = classify(result.root.exitcode, result.root.traceback, oom_during)
     elif launch_error:
         result.verdict = Verdict(INFRASTRUCTURE, "launch failure")
-    result.headline, result.error = _explain(result, timeout_s, launch_error, watchdog)
+    result.headline, result.error = explain(result, timeout_s, launch_error, watchdog.dumped, watchdog.silent)
     return result
 
 
-def _explain(
-    result: LaunchResult, timeout_s: float, launch_error: str | None, watchdog: _Watchdog
+def explain(
+    result: LaunchResult, timeout_s: float, launch_error: str | None, dumped: list[int], silent: list[int]
 ) -> tuple[str | None, str | None]:
-    """(one line, full text) of what went wrong, or (None, None)."""
+    """(one line, full text) of what went wrong, or (None, None). ``dumped`` and ``silent``: after a
+    timeout, the ranks whose Python stacks are in their logs, and those that left none."""
     group = result.group
     if result.timed_out:
-        dumped = f"ranks {watchdog.dumped}: Python stacks dumped to {group.log('<k>')}" if watchdog.dumped else ""
-        silent = (
-            f"ranks {watchdog.silent}: no stack (still starting up, before the dump handler)" if watchdog.silent else ""
-        )
+        stacks = f"ranks {dumped}: Python stacks dumped to {group.log('<k>')}" if dumped else ""
+        none = f"ranks {silent}: no stack (still starting up, before the dump handler)" if silent else ""
         text = f"group '{group.name}' timed out after --timeout {timeout_s:g}s; " + "; ".join(
-            filter(None, [dumped, silent])
+            filter(None, [stacks, none])
         )
         return text, text + "; the ranks were killed"
     root = result.root
@@ -382,7 +399,7 @@ def _ending(exitcode: int) -> str:
     return f"exit code {exitcode}"
 
 
-def _describe_failures(
+def describe_failures(
     run_dir: Path, group: LaunchGroup, failures: dict[int, ProcessFailure], died_at: dict[int, float]
 ) -> list[RankFailure]:
     """One entry per failed rank; the root cause is the one that died first."""

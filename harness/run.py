@@ -44,7 +44,7 @@ from harness.golden import (
     plan_golden,
     write_golden,
 )
-from harness.launch import LaunchGroup, LaunchResult, launch_group, plan_launches
+from harness.launch import GroupLauncher, LaunchGroup, LaunchResult, launch_group, plan_launches
 from harness.progress import BlockProgress, Progress
 from harness.records import ArmRecords, RecordError, read_arm, read_metrics, write_json_atomic
 from harness.report import format_verdict_table, read_throughput, write_html, write_junit
@@ -201,9 +201,10 @@ def launch_all(
     env: dict[str, str],
     out: TextIO,
     verbose: bool = False,
+    launch: GroupLauncher = launch_group,
 ) -> Iterator[LaunchResult]:
     """Launch groups one after another under one deadline, yielding each result; the first
-    failure ends the run."""
+    failure ends the run. ``launch`` runs one group: locally (launch.py) or as a Slurm job (slurm.py)."""
     deadline = time.monotonic() + timeout_s
     spec = suite.throughput
     if spec:
@@ -213,7 +214,7 @@ def launch_all(
         progress = Progress(run_dir, [arm for group in groups for arm in group.arms], suite.steps, out, verbose)
     try:
         for group in groups:
-            result = launch_group(run_dir, group, deadline=deadline, timeout_s=timeout_s, env=env, tick=progress.tick)
+            result = launch(run_dir, group, deadline=deadline, timeout_s=timeout_s, env=env, tick=progress.tick)
             log.info("group %s: %s", group.name, result.headline or "ok")
             if not result.ok:
                 progress.close()  # its last state stays above the error the caller prints
@@ -332,6 +333,7 @@ def execute(
     out: TextIO,
     err: TextIO,
     verbose: bool = False,
+    launch: GroupLauncher = launch_group,
 ) -> tuple[Cancelled | None, dict[str, ArmRecords], list[CheckResult]]:
     """Launches the groups (appending to ``launches``) and checks what they recorded.
 
@@ -341,7 +343,8 @@ def execute(
     records: dict[str, ArmRecords] = {}
     start = time.monotonic()
     try:
-        for result in launch_all(run_dir, suite, groups, timeout_s, pin.env if pin else {}, out, verbose):
+        env = pin.env if pin else {}
+        for result in launch_all(run_dir, suite, groups, timeout_s, env, out, verbose, launch):
             launches.append(result)
             if result.error:
                 print(f"error: {result.error}", file=err)
@@ -357,10 +360,34 @@ def execute(
         return None, records, [internal]
 
 
-def run_suite(suite: SuiteSpec, options: RunOptions, out: TextIO = sys.stdout, err: TextIO = sys.stderr) -> int:
-    """Runs a validated suite end to end and returns the exit code; raises UsageError or
-    GoldenError (exit 2) before launching."""
-    check_device(suite, options.device)
+@dataclass(frozen=True)
+class PreparedRun:
+    """A run directory whose manifest is written, and what launching and judging it need; made by
+    ``prepare_run`` before a launch, or read back from the run directory (``harness collect``)."""
+
+    run_dir: Path
+    suite: SuiteSpec
+    options: RunOptions
+    key: str
+    pin: CpuPin | None
+    golden: GoldenPlan
+    groups: list[LaunchGroup]
+    manifest: dict
+
+
+def plan_groups(suite: SuiteSpec) -> list[LaunchGroup]:
+    """The launch groups of a suite, in the order they run."""
+    return plan_throughput_launches(suite) if suite.throughput else plan_launches(suite)
+
+
+def prepare_run(
+    suite: SuiteSpec, options: RunOptions, out: TextIO = sys.stdout, local_devices: bool = True
+) -> PreparedRun:
+    """Validates what can be validated before launching, then creates the run directory and writes
+    manifest.json. Raises UsageError or GoldenError (exit 2); nothing has run then.
+    ``local_devices``: the ranks run here, so this machine must have their GPUs (not so on Slurm)."""
+    if local_devices:
+        check_device(suite, options.device)
     pin = cpu_pin(options.cpu_isa) if options.device == "cpu" else None
     key = run_env_key(options.device, suite_dtype(suite), pin)
     if suite.throughput and options.golden == "update":
@@ -377,33 +404,78 @@ def run_suite(suite: SuiteSpec, options: RunOptions, out: TextIO = sys.stdout, e
         golden = dataclasses.replace(golden, note=None)  # nothing to say: step times have no golden
     run_dir = make_run_dir(suite, options.out)
     with harness_log(run_dir), Cancellation():
-        groups = plan_throughput_launches(suite) if suite.throughput else plan_launches(suite)
+        groups = plan_groups(suite)
         manifest = build_manifest(suite, options, key, pin, golden, groups)
         write_json_atomic(run_dir / "manifest.json", manifest)
         for line in filter(None, [pin.note if pin else None, golden.note]):
             print(line, file=out)
             log.info(line)
+    return PreparedRun(run_dir, suite, options, key, pin, golden, groups, manifest)
+
+
+def read_prepared(run_dir: Path, suite: SuiteSpec, options: RunOptions) -> PreparedRun:
+    """A prepared run read back from its manifest.json (``harness collect``), ``suite`` being the
+    suite loaded again: it must be the one the manifest recorded, or the judging would differ."""
+    try:
+        manifest = json.loads((run_dir / "manifest.json").read_text())
+        recorded, launches, golden = manifest["suite"], manifest["launches"], manifest["golden"]
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise UsageError(f"{run_dir}: not a readable run directory: {e}") from None
+    groups = plan_groups(suite)
+    if _plain({**suite.to_dict(), "path": None}) != {**recorded, "path": None} or _plain(
+        [dataclasses.asdict(g) for g in groups]
+    ) != _plain(launches):
+        raise UsageError(
+            f"{run_dir}: suite {suite.path} is not what the run recorded in manifest.json (changed since?)"
+        )
+    compared = golden["compared"]
+    recorded_golden = load_golden(Path(compared)) if compared else None
+    plan = GoldenPlan(golden["mode"], Path(golden["path"]), recorded_golden, golden["tier"], golden["note"])
+    pin = CpuPin(**manifest["cpu_isa"]) if manifest["cpu_isa"] else None
+    options = dataclasses.replace(options, device=manifest["device"], command=tuple(manifest["command"]))
+    return PreparedRun(run_dir, suite, options, manifest["env_key"], pin, plan, groups, manifest)
+
+
+def _plain(value: object) -> object:
+    """``value`` as JSON reads it back (tuples become lists): to compare with a recorded one."""
+    return json.loads(json.dumps(value))
+
+
+def run_suite(suite: SuiteSpec, options: RunOptions, out: TextIO = sys.stdout, err: TextIO = sys.stderr) -> int:
+    """Runs a validated suite end to end and returns the exit code; raises UsageError or
+    GoldenError (exit 2) before launching."""
+    return judge_run(prepare_run(suite, options, out), launch_group, out, err)
+
+
+def judge_run(run: PreparedRun, launch: GroupLauncher, out: TextIO = sys.stdout, err: TextIO = sys.stderr) -> int:
+    """Launches a prepared run's groups with ``launch``, judges what they recorded, writes the
+    summary, golden update and reports, and returns the exit code: one path for every launcher."""
+    run_dir, suite, golden = run.run_dir, run.suite, run.golden
+    with harness_log(run_dir), Cancellation():
         start = time.monotonic()
         launches: list[LaunchResult] = []
+        options = run.options
         cancelled, records, checks = execute(
-            run_dir, suite, groups, options.timeout_s, pin, golden, launches, out, err, options.verbose
+            run_dir, suite, run.groups, options.timeout_s, run.pin, golden, launches, out, err, options.verbose, launch
         )
         if not suite.throughput:
             records = records or {arm: read_arm(run_dir, arm, suite.arms[arm].ep) for arm in suite.arms}
         verdict, exit_code = ("cancelled", cancelled.exit_code) if cancelled else verdict_of(checks)
         summary = build_summary(
-            suite, verdict, exit_code, time.monotonic() - start, key, golden, launches, records, checks
+            suite, verdict, exit_code, time.monotonic() - start, run.key, golden, launches, records, checks
         )
         metrics = {arm: rec.metrics for arm, rec in records.items() if rec.steps_done()}
         news = None
         if golden.mode == "update":
             news = f"not updating {golden.path}: the run did not pass"
             try:
-                news = update_golden(golden, suite, manifest, metrics) if exit_code == EXIT_PASS else news
+                news = update_golden(golden, suite, run.manifest, metrics) if exit_code == EXIT_PASS else news
             except Cancelled as c:  # the golden is replaced atomically: the old one stays
                 mark_cancelled(summary, c)
                 news = f"not updating {golden.path}: {c}"
-        exit_code = finish(run_dir, summary, manifest, metrics, golden.golden if golden.mode == "check" else None, err)
+        exit_code = finish(
+            run_dir, summary, run.manifest, metrics, golden.golden if golden.mode == "check" else None, err
+        )
     print(format_verdict_table(summary), file=out)
     if news:
         print(news, file=out)
@@ -446,6 +518,7 @@ def build_summary(
                 "timed_out": r.timed_out,
                 "error": r.error,
                 "root_cause": _root_cause(r),
+                **({"slurm_job": r.job} if r.job else {}),
             }
             for r in launches
         ],

@@ -1,4 +1,4 @@
-"""Where the folders that ship with the harness are: ``suites/`` and ``golden/``.
+"""Where the folders that ship with the harness are: ``suites/``, ``golden/`` and ``slurm/``.
 
 In the source tree they are top-level folders beside ``harness/``, where they are edited and
 reviewed. A wheel carries each one inside the package as ``harness/_<folder>/`` (``setup.py`` maps

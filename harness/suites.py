@@ -138,7 +138,7 @@ def load_suite(
     ("--set" or a dedicated flag such as "--ranks"), so errors can point back at it.
     """
     path = suite_path(name_or_path, suites_dir)
-    shown = _display(path)
+    shown = display_path(path)
     if not path.is_file():
         known = ", ".join(name for name, _ in list_suites(suites_dir))
         raise SuiteError(f"{shown}: no such suite file (suites: {known})")
@@ -153,7 +153,14 @@ def load_suite(
     return v.suite(raw, path)
 
 
-def _display(path: Path) -> str:
+def field_reader(shown: str) -> _Validator:
+    """The suite validator's typed readers for another TOML file (a Slurm profile), so that its
+    errors read as a suite's do: ``<file>: <dotted field>: expected ..., got ...``."""
+    return _Validator(shown, "cpu")
+
+
+def display_path(path: Path) -> str:
+    """A path as errors show it: relative to the working directory where it lies below it."""
     try:
         return str(path.resolve().relative_to(Path.cwd()))
     except ValueError:
@@ -425,7 +432,7 @@ class _Validator:
             path = suite_file.parent / path
         if not path.is_file():
             raise self.error("model.config", f"no such file {_show(str(path))}")
-        hf_file = _Validator(_display(path), self.device)
+        hf_file = _Validator(display_path(path), self.device)
         try:
             hf = json.loads(path.read_text())
         except (json.JSONDecodeError, UnicodeDecodeError) as e:
