@@ -96,22 +96,6 @@ def test_submit_parity_matches_a_local_run_bit_for_bit(run_harness, start_harnes
 
 
 @pytest.mark.usefixtures("slurm_cluster")
-def test_rank_that_raises_in_a_job_exits_3_with_its_traceback(run_harness, tmp_path: Path) -> None:
-    """As a local run: the injected raise is the harness's own code, so infrastructure (exit 3)."""
-    out = tmp_path / "run"
-    run = run_harness("submit", "logical-ranks", *FAST, "--profile", "local", "--out", out, *RAISE_AT_STEP_2_ON_RANK_1)
-    assert run.returncode == 3, run.stdout + run.stderr
-    assert "rank 1 of group 'procs' failed first" in run.stderr
-    assert "raised outside the system under test" in run.stderr
-    assert "Traceback (most recent call last)" in run.stderr and "RuntimeError: injected failure" in run.stderr
-    summary = run.summary(out)
-    assert summary["verdict"] == "error" and summary["arms"]["procs"]["steps_completed"] == 1
-    assert summary["launches"][0]["root_cause"]["rank"] == 1
-    assert "RuntimeError: injected failure" in (out / "logs" / "procs" / "rank1.log").read_text()
-    assert len(summary["launches"]) == 1  # the next group's job (inproc) never ran: it was cancelled
-
-
-@pytest.mark.usefixtures("slurm_cluster")
 def test_scancel_of_a_running_job_exits_3_within_30_s(start_harness, tmp_path: Path) -> None:
     out = tmp_path / "run"
     proc = start_harness(
@@ -166,8 +150,10 @@ def test_bad_profile_exits_2_with_nothing_submitted(run_harness, tmp_path: Path,
 
 
 @pytest.mark.usefixtures("slurm_cluster")
-def test_no_wait_then_collect_gives_the_same_verdict(run_harness, tmp_path: Path) -> None:
-    """Also: a profile's values reach the job script quoted, never run."""
+def test_a_rank_that_raises_in_a_job_is_judged_as_locally_also_after_no_wait(run_harness, tmp_path: Path) -> None:
+    """As a local run: the injected raise is the harness's own code, so infrastructure (exit 3), with
+    its traceback; judged by ``collect`` after ``--no-wait``. Also: a profile's values reach the job
+    script quoted, never run."""
     out, planted = tmp_path / "run", tmp_path / "injected"
     profile = write_profile(tmp_path, f'partition = "debug"\n[env]\nHARNESS_PROBE = "$(touch {planted})"\n')
     submitted = run_harness(
@@ -179,7 +165,14 @@ def test_no_wait_then_collect_gives_the_same_verdict(run_harness, tmp_path: Path
     collected = run_harness("collect", out)
     assert collected.returncode == 3, collected.stdout + collected.stderr
     assert "rank 1 of group 'procs' failed first" in collected.stderr
-    assert collected.summary(out)["launches"][0]["root_cause"]["rank"] == 1
+    assert "raised outside the system under test" in collected.stderr
+    assert "Traceback (most recent call last)" in collected.stderr
+    assert "RuntimeError: injected failure" in collected.stderr
+    summary = collected.summary(out)
+    assert summary["verdict"] == "error" and summary["arms"]["procs"]["steps_completed"] == 1
+    assert summary["launches"][0]["root_cause"]["rank"] == 1
+    assert "RuntimeError: injected failure" in (out / "logs" / "procs" / "rank1.log").read_text()
+    assert len(summary["launches"]) == 1  # the next group's job (inproc) never ran: it was cancelled
     assert (out / "junit.xml").is_file() and (out / "report.html").is_file()
     script = next((out / "slurm").glob("*_submission.sh")).read_text()
     assert f"export HARNESS_PROBE='$(touch {planted})'" in script
