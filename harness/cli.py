@@ -23,7 +23,17 @@ from harness.cancel import Cancelled
 from harness.ci import run_gate
 from harness.environment import CPU_ISAS, cuda_preflight, describe_environment
 from harness.golden import GOLDEN_MODES, GoldenError
-from harness.run import EXIT_INFRA, EXIT_PASS, EXIT_USAGE, GOLDEN_DIR, RunOptions, UsageError, rerender, run_suite
+from harness.run import (
+    EXIT_INFRA,
+    EXIT_PASS,
+    EXIT_USAGE,
+    GOLDEN_DIR,
+    RunOptions,
+    UsageError,
+    rerender,
+    run_suite,
+    trace_cache_dir,
+)
 from harness.shipped import inside_package
 from harness.slurm import collect_run, load_profile, submit_suite
 from harness.suites import SUITES_DIR, SuiteError, list_suites, load_suite
@@ -70,6 +80,12 @@ def _add_run_arguments(
         help="CPU kernels: avx2 (default) pins them, so goldens check bitwise on any x86-64 with AVX2;"
         " native: full speed",
     )  # fmt: skip
+    parser.add_argument(
+        "--trace-cache",
+        metavar="DIR|off",
+        help="where traced arms keep their scheduled graphs between runs; off: trace every time"
+        " (default $HARNESS_TRACE_CACHE, else $XDG_CACHE_HOME/harness/traces, else ~/.cache/harness/traces)",
+    )
     parser.add_argument(
         "--set",
         dest="overrides",
@@ -270,6 +286,7 @@ def _run_options(args: argparse.Namespace, argv: list[str], golden: str) -> RunO
         cpu_isa=args.cpu_isa,
         command=("harness", *argv),
         verbose=args.verbose,
+        trace_cache=trace_cache_dir(args.trace_cache),
     )
 
 

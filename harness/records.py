@@ -13,9 +13,10 @@ import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import TracebackType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import pandas as pd
+if TYPE_CHECKING:
+    import pandas as pd
 
 METRIC_COLUMNS = ("loss", "grad_norm", "tokens", "step_time_s")
 
@@ -92,6 +93,8 @@ def read_metrics(path: Path) -> pd.DataFrame:
 
 def read_metrics_records(records: list[dict], path: Path | str) -> pd.DataFrame:
     """read_metrics on records already read; ``path`` names them in errors."""
+    import pandas as pd  # here, not at the top: rank processes write records and never pay for pandas
+
     for number, record in enumerate(records, start=1):
         step = record.get("step")
         if isinstance(step, bool) or not isinstance(step, int):

@@ -29,6 +29,7 @@ from typing import TextIO
 import pandas as pd
 import torch
 
+import harness
 from harness.cancel import Cancellation, Cancelled
 from harness.checks import run_check
 from harness.compare import CheckResult
@@ -45,6 +46,7 @@ from harness.golden import (
     write_golden,
 )
 from harness.launch import GroupLauncher, LaunchGroup, LaunchResult, launch_group, plan_launches
+from harness.phases import PhaseLog, read_rank_phases, timeline
 from harness.progress import BlockProgress, Progress
 from harness.records import ArmRecords, RecordError, read_arm, read_metrics, write_json_atomic
 from harness.report import format_verdict_table, read_throughput, write_html, write_junit
@@ -56,6 +58,7 @@ from harness.triage import REGRESSION
 EXIT_PASS, EXIT_FAIL, EXIT_USAGE, EXIT_INFRA, EXIT_INCONCLUSIVE = 0, 1, 2, 3, 4
 # Run directories go under ./reports of the working directory: never into an installed package.
 REPORTS_DIR = Path("reports")
+TRACE_ENV = "HARNESS_TRACE_CACHE"
 # The shipped goldens; HARNESS_GOLDEN_DIR moves the default golden root (a CI cache, a test's empty directory).
 GOLDEN_DIR = Path(os.environ.get("HARNESS_GOLDEN_DIR", shipped_dir("golden")))
 log = logging.getLogger("harness")
@@ -78,6 +81,23 @@ class RunOptions:
     cpu_isa: str = "avx2"  # avx2: the portable kernel pin (environment.py); native: opt out
     command: tuple[str, ...] = ()
     verbose: bool = False  # plain per-step lines on a terminal too, in place of the live display
+    trace_cache: Path | None = None  # where traced arms keep their graphs (reference/chunking/trace_cache.py)
+
+
+def trace_cache_dir(flag: str | None) -> Path | None:
+    """``--trace-cache DIR|off``, else $HARNESS_TRACE_CACHE (the same), else the user's cache directory;
+    None for off. A path that exists and is not a directory is a usage error naming where it came from."""
+    source, value = ("--trace-cache", flag) if flag is not None else ("HARNESS_TRACE_CACHE", os.environ.get(TRACE_ENV))
+    if value is None:
+        return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "harness" / "traces"
+    if value == "off":
+        return None
+    if not value:
+        raise UsageError(f"{source}: expected a directory or off, got an empty value")
+    path = Path(value).expanduser().absolute()
+    if path.exists() and not path.is_dir():
+        raise UsageError(f"{source} {value}: exists and is not a directory")
+    return path
 
 
 def suite_dtype(suite: SuiteSpec) -> str:
@@ -179,6 +199,7 @@ def build_manifest(
         "launches": [dataclasses.asdict(g) for g in groups],
         "golden": _golden_summary(golden),
         "timeout_s": options.timeout_s,
+        "trace_cache": str(options.trace_cache) if options.trace_cache else None,
     }
 
 
@@ -200,6 +221,7 @@ def launch_all(
     timeout_s: float,
     env: dict[str, str],
     out: TextIO,
+    phases: PhaseLog,
     verbose: bool = False,
     launch: GroupLauncher = launch_group,
 ) -> Iterator[LaunchResult]:
@@ -214,7 +236,8 @@ def launch_all(
         progress = Progress(run_dir, [arm for group in groups for arm in group.arms], suite.steps, out, verbose)
     try:
         for group in groups:
-            result = launch(run_dir, group, deadline=deadline, timeout_s=timeout_s, env=env, tick=progress.tick)
+            with phases.phase("launch", group=group.name):
+                result = launch(run_dir, group, deadline=deadline, timeout_s=timeout_s, env=env, tick=progress.tick)
             log.info("group %s: %s", group.name, result.headline or "ok")
             if not result.ok:
                 progress.close()  # its last state stays above the error the caller prints
@@ -332,6 +355,7 @@ def execute(
     launches: list[LaunchResult],
     out: TextIO,
     err: TextIO,
+    phases: PhaseLog,
     verbose: bool = False,
     launch: GroupLauncher = launch_group,
 ) -> tuple[Cancelled | None, dict[str, ArmRecords], list[CheckResult]]:
@@ -344,14 +368,15 @@ def execute(
     start = time.monotonic()
     try:
         env = pin.env if pin else {}
-        for result in launch_all(run_dir, suite, groups, timeout_s, env, out, verbose, launch):
+        for result in launch_all(run_dir, suite, groups, timeout_s, env, out, phases, verbose, launch):
             launches.append(result)
             if result.error:
                 print(f"error: {result.error}", file=err)
-        if suite.throughput:
-            return None, records, [*launch_checks(launches), judge_throughput(suite, run_dir, groups)]
-        records = {arm: read_arm(run_dir, arm, suite.arms[arm].ep) for arm in suite.arms}
-        return None, records, collect_checks(suite, launches, records, golden, pin)
+        with phases.phase("judge"):
+            if suite.throughput:
+                return None, records, [*launch_checks(launches), judge_throughput(suite, run_dir, groups)]
+            records = {arm: read_arm(run_dir, arm, suite.arms[arm].ep) for arm in suite.arms}
+            return None, records, collect_checks(suite, launches, records, golden, pin)
     except Cancelled as c:
         return c, records, [cancelled_check(c, time.monotonic() - start)]
     except Exception as e:
@@ -373,6 +398,7 @@ class PreparedRun:
     golden: GoldenPlan
     groups: list[LaunchGroup]
     manifest: dict
+    phases: PhaseLog  # the harness process's own (phases.py): start and prepare so far
 
 
 def plan_groups(suite: SuiteSpec) -> list[LaunchGroup]:
@@ -386,6 +412,7 @@ def prepare_run(
     """Validates what can be validated before launching, then creates the run directory and writes
     manifest.json. Raises UsageError or GoldenError (exit 2); nothing has run then.
     ``local_devices``: the ranks run here, so this machine must have their GPUs (not so on Slurm)."""
+    began = time.time()
     if local_devices:
         check_device(suite, options.device)
     pin = cpu_pin(options.cpu_isa) if options.device == "cpu" else None
@@ -410,7 +437,10 @@ def prepare_run(
         for line in filter(None, [pin.note if pin else None, golden.note]):
             print(line, file=out)
             log.info(line)
-    return PreparedRun(run_dir, suite, options, key, pin, golden, groups, manifest)
+    phases = PhaseLog()
+    phases.add("start", harness.IMPORTED_AT, began)  # the interpreter's imports, the command line, the suite
+    phases.add("prepare", began, time.time())
+    return PreparedRun(run_dir, suite, options, key, pin, golden, groups, manifest, phases)
 
 
 def read_prepared(run_dir: Path, suite: SuiteSpec, options: RunOptions) -> PreparedRun:
@@ -433,7 +463,9 @@ def read_prepared(run_dir: Path, suite: SuiteSpec, options: RunOptions) -> Prepa
     plan = GoldenPlan(golden["mode"], Path(golden["path"]), recorded_golden, golden["tier"], golden["note"])
     pin = CpuPin(**manifest["cpu_isa"]) if manifest["cpu_isa"] else None
     options = dataclasses.replace(options, device=manifest["device"], command=tuple(manifest["command"]))
-    return PreparedRun(run_dir, suite, options, manifest["env_key"], pin, plan, groups, manifest)
+    phases = PhaseLog()
+    phases.add("start", harness.IMPORTED_AT, time.time())
+    return PreparedRun(run_dir, suite, options, manifest["env_key"], pin, plan, groups, manifest, phases)
 
 
 def _plain(value: object) -> object:
@@ -456,7 +488,18 @@ def judge_run(run: PreparedRun, launch: GroupLauncher, out: TextIO = sys.stdout,
         launches: list[LaunchResult] = []
         options = run.options
         cancelled, records, checks = execute(
-            run_dir, suite, run.groups, options.timeout_s, run.pin, golden, launches, out, err, options.verbose, launch
+            run_dir,
+            suite,
+            run.groups,
+            options.timeout_s,
+            run.pin,
+            golden,
+            launches,
+            out,
+            err,
+            run.phases,
+            options.verbose,
+            launch,
         )
         if not suite.throughput:
             records = records or {arm: read_arm(run_dir, arm, suite.arms[arm].ep) for arm in suite.arms}
@@ -474,7 +517,7 @@ def judge_run(run: PreparedRun, launch: GroupLauncher, out: TextIO = sys.stdout,
                 mark_cancelled(summary, c)
                 news = f"not updating {golden.path}: {c}"
         exit_code = finish(
-            run_dir, summary, run.manifest, metrics, golden.golden if golden.mode == "check" else None, err
+            run_dir, summary, run.manifest, metrics, golden.golden if golden.mode == "check" else None, err, run.phases
         )
     print(format_verdict_table(summary), file=out)
     if news:
@@ -538,18 +581,29 @@ def _root_cause(result: LaunchResult) -> dict | None:
 
 
 def finish(
-    run_dir: Path, summary: dict, manifest: dict, metrics: dict[str, pd.DataFrame], golden: Golden | None, err: TextIO
+    run_dir: Path,
+    summary: dict,
+    manifest: dict,
+    metrics: dict[str, pd.DataFrame],
+    golden: Golden | None,
+    err: TextIO,
+    phases: PhaseLog,
 ) -> int:
     """Writes summary.json, junit.xml, then report.html, and returns the run's exit code.
 
     The cheap, essential files go first, so that a second signal during the slow report leaves
     them behind. A signal arriving now turns the verdict into ``cancelled`` and writes them again;
     a report that cannot be rendered is an infrastructure error (exit 3), logged with its traceback.
+    Once the report is written, summary.json is written again with the report's own time.
     """
     for attempt in range(2):
         try:
+            summary["timing"] = run_timing(run_dir, phases)
             write_json_atomic(run_dir / "summary.json", summary)
-            write_reports(run_dir, summary, metrics, golden, manifest, read_throughput(run_dir))
+            with phases.phase("report"):
+                write_reports(run_dir, summary, metrics, golden, manifest, read_throughput(run_dir))
+            summary["timing"] = run_timing(run_dir, phases)
+            write_json_atomic(run_dir / "summary.json", summary)
             return summary["exit_code"]
         except Cancelled as c:
             mark_cancelled(summary, c)
@@ -567,6 +621,18 @@ def finish(
                 continue
             return EXIT_INFRA
     return summary["exit_code"]
+
+
+def run_timing(run_dir: Path, phases: PhaseLog) -> dict:
+    """summary.json's ``timing``: the harness's phases and the run's timeline (phases.py), with the ranks'
+    phases read from the run directory."""
+    groups = {p["group"] for p in phases.phases if p["phase"] == "launch"}
+    segments = timeline(phases.phases, {group: read_rank_phases(run_dir, group) for group in groups})
+    return {
+        "phases": phases.phases,
+        "timeline": segments,
+        "total_s": sum(s["seconds"] for s in segments),
+    }
 
 
 def write_reports(

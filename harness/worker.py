@@ -45,8 +45,11 @@ import torch
 import torch.distributed as dist
 from torch.distributed.elastic.multiprocessing.errors import record
 
+import harness
 from harness.digests import HASH_EVERY, digest_all, final_weights, parameters_hash
+from harness.phases import PhaseLog, rank_phases_path
 from harness.records import JsonlWriter, write_json_atomic
+from harness.reference.chunking.trace_cache import GraphCache
 from harness.reference.delayed_oracle import DelayedOracleTrainer
 from harness.reference.ep.exchange import EventSink
 from harness.reference.pec import PECConfig, PECSink, PECTrainer
@@ -183,9 +186,11 @@ def make_trainer(
     fidelity_sink: Callable[[dict], None] | None = None,
     pec_sink: PECSink | None = None,
     steps: int = 1,
+    trace_cache: GraphCache | None = None,
 ) -> Trainer | VersionedTrainer | HFLockstep:
     """The arm's trainer; transformers is imported only by an arm that trains against it. A PEC
-    trainer must know its last batch (``steps``): that is where it drains."""
+    trainer must know its last batch (``steps``): that is where it drains. Only the plain trainer
+    traces (the others run eager chunking), so only it takes the ``trace_cache``."""
     sinks = {"event_sink": event_sink, "grad_sink": grad_sink, "update_sink": update_sink}
     if oracle == "hf":
         from harness.oracles.hf import HFLockstep
@@ -195,11 +200,20 @@ def make_trainer(
         return PIPELINE_TRAINERS[config.trainer](config, **sinks)
     if isinstance(config, PECConfig):
         return PECTrainer(config, **sinks, pec_sink=pec_sink, batches=steps)
-    return Trainer(config, **sinks)
+    return Trainer(config, **sinks, trace_cache=trace_cache)
 
 
-def run_arm(run_dir: Path, arm: str, spec: dict[str, Any], steps: int, debug: dict[str, Any]) -> None:
-    """Builds the arm's trainer from a fresh seed and runs its steps, streaming records."""
+def run_arm(
+    run_dir: Path,
+    arm: str,
+    spec: dict[str, Any],
+    steps: int,
+    debug: dict[str, Any],
+    phases: PhaseLog,
+    trace_cache: GraphCache | None = None,
+) -> None:
+    """Builds the arm's trainer from a fresh seed and runs its steps, streaming records; its build,
+    steps and finish are three phases."""
     train = spec["train"]
     rank = dist.get_rank()
     arm_dir = run_dir / "arms" / arm
@@ -213,17 +227,21 @@ def run_arm(run_dir: Path, arm: str, spec: dict[str, Any], steps: int, debug: di
         fidelity = (
             stack.enter_context(JsonlWriter(arm_dir / "fidelity.jsonl")) if rank == 0 and spec["oracle"] else None
         )
-        trainer = make_trainer(
-            config,
-            spec["oracle"],
-            event_sink=lambda logical_rank, event: files.write(f"events.rank{logical_rank}.jsonl", event),
-            grad_sink=recorder.grads,
-            update_sink=recorder.update,
-            fidelity_sink=fidelity.write if fidelity else None,
-            pec_sink=lambda logical_rank, event: files.write(f"pec.rank{logical_rank}.jsonl", event),
-            steps=steps,
-        )
-        stack.callback(trainer.close)
+        with phases.phase("build", arm=arm) as build:
+            trainer = make_trainer(
+                config,
+                spec["oracle"],
+                event_sink=lambda logical_rank, event: files.write(f"events.rank{logical_rank}.jsonl", event),
+                grad_sink=recorder.grads,
+                update_sink=recorder.update,
+                fidelity_sink=fidelity.write if fidelity else None,
+                pec_sink=lambda logical_rank, event: files.write(f"pec.rank{logical_rank}.jsonl", event),
+                steps=steps,
+                trace_cache=trace_cache,
+            )
+            stack.callback(trainer.close)
+            if trainer.graph_build is not None:
+                build["graph"] = trainer.graph_build
         if rank == 0:
             write_json_atomic(
                 arm_dir / "arm.json",
@@ -236,18 +254,22 @@ def run_arm(run_dir: Path, arm: str, spec: dict[str, Any], steps: int, debug: di
             if trainer.graph_export is not None:
                 write_json_atomic(arm_dir / "graph.json", trainer.graph_export)
         updates_done = 0
-        for result in updates(trainer, steps, lambda step: _inject_fault(debug, arm, step, rank)):
-            updates_done += 1
-            if metrics is not None:
-                metrics.write(result)
-            print(
-                f"[arm {arm}] step {result['step']}/{steps} loss={result['loss']!r} grad_norm={result['grad_norm']!r}",
-                flush=True,
-            )
-        if isinstance(trainer, Trainer):  # the reference's own trainers: their replicas hold the weights
-            for logical_rank, replica in trainer.replicas.items():
-                digest = final_weights(replica.model, updates_done)
-                write_json_atomic(arm_dir / f"weights.rank{logical_rank}.json", digest)
+        with phases.phase("steps", arm=arm) as detail:
+            for result in updates(trainer, steps, lambda step: _inject_fault(debug, arm, step, rank)):
+                updates_done += 1
+                detail["steps"] = updates_done
+                if metrics is not None:
+                    metrics.write(result)
+                print(
+                    f"[arm {arm}] step {result['step']}/{steps} loss={result['loss']!r} "
+                    f"grad_norm={result['grad_norm']!r}",
+                    flush=True,
+                )
+        with phases.phase("finish", arm=arm):
+            if isinstance(trainer, Trainer):  # the reference's own trainers: their replicas hold the weights
+                for logical_rank, replica in trainer.replicas.items():
+                    digest = final_weights(replica.model, updates_done)
+                    write_json_atomic(arm_dir / f"weights.rank{logical_rank}.json", digest)
 
 
 def _peak_memory_reset(device: str) -> None:
@@ -273,11 +295,13 @@ class _TimedTrainer:
     """One built copy of an arm in a throughput run: it keeps training its own model, step after
     step, across every block it is timed in. ``slow_fraction`` plants a slowdown (DebugSpec)."""
 
-    def __init__(self, train: dict[str, Any], total_steps: int, slow_fraction: float) -> None:
+    def __init__(
+        self, train: dict[str, Any], total_steps: int, slow_fraction: float, trace_cache: GraphCache | None
+    ) -> None:
         config = train_config(train)
         random.seed(config.seed)
         torch.manual_seed(config.seed)
-        self.trainer = make_trainer(config, steps=total_steps)
+        self.trainer = make_trainer(config, steps=total_steps, trace_cache=trace_cache)
         self.tokens_per_step = config.ep * config.local_batch * config.seq_len
         self.slow_fraction = slow_fraction
         self.next_step = 1
@@ -310,7 +334,14 @@ def _timed(trainer: _TimedTrainer, steps: int, device: str) -> tuple[float, int]
     return time.perf_counter() - began, _peak_memory_bytes(device)
 
 
-def measure_throughput(run_dir: Path, suite: dict[str, Any], measurements: list[dict], device: str) -> None:
+def measure_throughput(
+    run_dir: Path,
+    suite: dict[str, Any],
+    measurements: list[dict],
+    device: str,
+    phases: PhaseLog,
+    trace_cache: GraphCache | None = None,
+) -> None:
     """Times the group's block positions in order (harness/throughput.py plans them): builds each
     copy of an arm once and warms it up, then records per position the slowest rank's seconds and
     the largest peak memory of any rank to ``throughput.jsonl`` (process rank 0)."""
@@ -322,36 +353,41 @@ def measure_throughput(run_dir: Path, suite: dict[str, Any], measurements: list[
         for copy, count in positions.items():
             arm = arms[copy]
             slow = debug["slow_fraction"] if debug["slow_arm"] == arm else 0.0
-            copies[copy] = _TimedTrainer(suite["arms"][arm]["train"], spec["warmup"] + count * spec["steps"], slow)
+            steps = spec["warmup"] + count * spec["steps"]
+            with phases.phase("build", arm=copy):
+                copies[copy] = _TimedTrainer(suite["arms"][arm]["train"], steps, slow, trace_cache)
             stack.callback(copies[copy].trainer.close)
-        for copy in copies.values():
-            copy.run(spec["warmup"])
+        with phases.phase("warmup"):
+            for copy in copies.values():
+                copy.run(spec["warmup"])
         writer = stack.enter_context(JsonlWriter(run_dir / "throughput.jsonl")) if dist.get_rank() == 0 else None
-        for m in measurements:
-            trainer = copies[m["copy"]]
-            first_step = trainer.next_step
-            seconds, peak = _timed(trainer, spec["steps"], device)
-            worst = torch.tensor([seconds, float(peak)], dtype=torch.float64, device=device)
-            dist.all_reduce(worst, op=dist.ReduceOp.MAX)
-            seconds, peak = worst.tolist()
-            print(f"[{m['series']} block {m['block']} {m['role']}: {m['arm']}] {seconds:.4f} s", flush=True)
-            if writer is not None:
-                writer.write(
-                    {
-                        **m,
-                        "steps": spec["steps"],
-                        "first_step": first_step,
-                        "seconds": seconds,
-                        "step_time_s": seconds / spec["steps"],
-                        "tokens_per_s": trainer.tokens_per_step * spec["steps"] / seconds,
-                        "peak_memory_bytes": int(peak),
-                        "timing": "cuda-events" if device == "cuda" else "wall",
-                    }
-                )
+        with phases.phase("blocks"):
+            for m in measurements:
+                trainer = copies[m["copy"]]
+                first_step = trainer.next_step
+                seconds, peak = _timed(trainer, spec["steps"], device)
+                worst = torch.tensor([seconds, float(peak)], dtype=torch.float64, device=device)
+                dist.all_reduce(worst, op=dist.ReduceOp.MAX)
+                seconds, peak = worst.tolist()
+                print(f"[{m['series']} block {m['block']} {m['role']}: {m['arm']}] {seconds:.4f} s", flush=True)
+                if writer is not None:
+                    writer.write(
+                        {
+                            **m,
+                            "steps": spec["steps"],
+                            "first_step": first_step,
+                            "seconds": seconds,
+                            "step_time_s": seconds / spec["steps"],
+                            "tokens_per_s": trainer.tokens_per_step * spec["steps"] / seconds,
+                            "peak_memory_bytes": int(peak),
+                            "timing": "cuda-events" if device == "cuda" else "wall",
+                        }
+                    )
 
 
 @record
 def main(argv: list[str]) -> None:
+    entered = time.time()  # the imports (phases.py) end here
     os.dup2(1, 2)  # stderr joins stdout in logs/rank<k>.log, in order
     sys.stdout.reconfigure(line_buffering=True)
     _die_with_parent()
@@ -360,14 +396,25 @@ def main(argv: list[str]) -> None:
     manifest = json.loads((run_dir / "manifest.json").read_text())
     group = next(g for g in manifest["launches"] if g["name"] == group_name)
     suite = manifest["suite"]
-    _init_process_group(manifest["device"], manifest["backend"])
-    print(f"rank {dist.get_rank()}/{dist.get_world_size()} of group {group_name}: pid {os.getpid()}", flush=True)
-    if group["measurements"]:
-        measure_throughput(run_dir, suite, group["measurements"], manifest["device"])
-    else:
-        for arm in group["arms"]:
-            run_arm(run_dir, arm, suite["arms"][arm], suite["steps"], suite["debug"])
-    dist.destroy_process_group()
+    trace_cache = GraphCache(Path(manifest["trace_cache"])) if manifest["trace_cache"] else None
+    with JsonlWriter(rank_phases_path(run_dir, group_name, int(os.environ["RANK"]))) as phase_file:
+        phases = PhaseLog(phase_file.write)
+        phases.add("imports", harness.IMPORTED_AT, entered)
+        with phases.phase("rendezvous"):
+            _init_process_group(manifest["device"], manifest["backend"])
+        print(f"rank {dist.get_rank()}/{dist.get_world_size()} of group {group_name}: pid {os.getpid()}", flush=True)
+        if group["measurements"]:
+            measure_throughput(run_dir, suite, group["measurements"], manifest["device"], phases, trace_cache)
+        else:
+            for arm in group["arms"]:
+                run_arm(run_dir, arm, suite["arms"][arm], suite["steps"], suite["debug"], phases, trace_cache)
+        with phases.phase("shutdown"):
+            dist.destroy_process_group()
+    # Every record is closed and the group is gone. A normal interpreter exit would now spend most
+    # of a second tearing down torch and torch._dynamo module by module, on every rank, before the
+    # launcher sees the group end: leave without it.
+    sys.stdout.flush()
+    os._exit(0)
 
 
 if __name__ == "__main__":

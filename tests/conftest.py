@@ -41,6 +41,16 @@ def no_shipped_goldens(tmp_path_factory: pytest.TempPathFactory, monkeypatch: py
     monkeypatch.setenv("HARNESS_GOLDEN_DIR", str(tmp_path_factory.mktemp("no-goldens")))
 
 
+@pytest.fixture(autouse=True)
+def shared_trace_cache(tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Runs share one trace cache per test session (all xdist workers), never the user's own: a traced
+    arm is traced once per session, and every later run checks the cached graph as it would a fresh one."""
+    session = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        session = session.parent  # popen-gw<k>/ sits in the session's directory
+    monkeypatch.setenv("HARNESS_TRACE_CACHE", str(session / "trace-cache"))
+
+
 @pytest.fixture
 def run_harness() -> Callable[..., CliRun]:
     """``run_harness("run", "determinism", "--steps", 3)``: the real CLI, waited for."""
@@ -58,13 +68,14 @@ def run_harness() -> Callable[..., CliRun]:
 def plant(tmp_path: Path) -> Callable[[str], dict[str, object]]:
     """``plant(code)``: the environment in which every process of a run (the ranks included) runs
     ``code`` at start-up, as a sitecustomize, with the repository importable so it can patch the
-    reference: a bug planted where a change would put it."""
+    reference: a bug planted where a change would put it. The trace cache is off: a patch made at
+    run time leaves the reference's files, and so the cache key, as they were."""
 
     def environment(code: str) -> dict[str, object]:
         site = tmp_path / "planted"
         site.mkdir(exist_ok=True)
         (site / "sitecustomize.py").write_text(code)
-        return {"PYTHONPATH": os.pathsep.join([str(site), str(REPO)])}
+        return {"PYTHONPATH": os.pathsep.join([str(site), str(REPO)]), "HARNESS_TRACE_CACHE": "off"}
 
     return environment
 

@@ -66,6 +66,16 @@ def test_rank_that_raises_exits_3_and_shows_its_traceback(run_harness, processes
     assert summary["arms"]["procs"]["steps_completed"] == 1  # the finished step stays on disk
     assert run.check(out, "launch: procs")["status"] == "error"
     assert not processes_mentioning(str(out))
+    # The phases up to the failure stay on disk too, the failed one marked, and the timeline uses them.
+    phases = [json.loads(line) for line in (out / "phases" / "procs.rank1.jsonl").read_text().splitlines()]
+    assert [p["phase"] for p in phases] == ["imports", "rendezvous", "build", "steps"]
+    assert phases[-1]["detail"] == {"steps": 1, "failed": True}
+    segments = [(s["segment"], s["arm"]) for s in summary["timing"]["timeline"] if s["group"] == "procs"]
+    assert segments == [(n, None) for n in ("start processes", "imports", "rendezvous")] + [
+        ("build", "procs"),
+        ("steps", "procs"),
+        ("exit", None),
+    ]
 
 
 def test_sigkilled_rank_is_named_as_the_root_cause_not_its_survivor(run_harness, tmp_path: Path) -> None:
@@ -266,13 +276,24 @@ def test_golden_of_another_configuration_is_exit_2_under_check(run_harness, tmp_
         ),
         (("--timeout", "inf"), "error: --timeout: expected a finite number of seconds > 0, got inf\n"),
         (("--set", "checks=[]"), "error: --set checks: expected at least one [[checks]] table, got []\n"),
+        (("--trace-cache", "{tmp}/file"), "error: --trace-cache {tmp}/file: exists and is not a directory\n"),
+        (("--trace-cache", ""), "error: --trace-cache: expected a directory or off, got an empty value\n"),
     ],
-    ids=["unwritable-out", "infinite-timeout", "no-checks"],
+    ids=["unwritable-out", "infinite-timeout", "no-checks", "trace-cache-file", "trace-cache-empty"],
 )
 def test_bad_usage_exits_2_with_one_line(run_harness, tmp_path: Path, args: tuple, message: str) -> None:
     (tmp_path / "file").write_text("")
     run = run_harness("run", "logical-ranks", *(a.format(tmp=tmp_path) for a in args))
     assert (run.returncode, run.stderr) == (2, message.format(tmp=tmp_path))
+
+
+def test_trace_cache_from_the_environment_is_checked_and_named(run_harness, tmp_path: Path) -> None:
+    (tmp_path / "file").write_text("")
+    run = run_harness("run", "logical-ranks", env={"HARNESS_TRACE_CACHE": tmp_path / "file"})
+    assert (run.returncode, run.stderr) == (
+        2,
+        f"error: HARNESS_TRACE_CACHE {tmp_path}/file: exists and is not a directory\n",
+    )
 
 
 def test_timeout_while_ranks_start_says_no_stack_was_dumped(run_harness, tmp_path: Path) -> None:

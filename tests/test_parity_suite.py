@@ -13,8 +13,16 @@ def failing(run, out: Path) -> set[str]:
     return {c["name"] for c in run.summary(out)["checks"] if c["status"] == "fail"}
 
 
+def graph_builds(run, out: Path, arm: str) -> str:
+    """How the arm's ranks got their graph, from the run's timeline."""
+    return next(
+        s["detail"] for s in run.summary(out)["timing"]["timeline"] if s["segment"] == "build" and s["arm"] == arm
+    )
+
+
 def test_parity_passes_with_golden_and_four_chunks(run_harness, tmp_path: Path) -> None:
-    goldens = ("--golden-dir", tmp_path / "golden")
+    """The golden is recorded with traced graphs and checked with cached ones: bit for bit the same."""
+    goldens = ("--golden-dir", tmp_path / "golden", "--trace-cache", tmp_path / "cache")
     update = run_harness(
         "golden", "update", "parity", "--ranks", 2, "--steps", 3, *goldens, "--out", tmp_path / "update"
     )
@@ -26,6 +34,12 @@ def test_parity_passes_with_golden_and_four_chunks(run_harness, tmp_path: Path) 
     assert names["eager vs graph: loss"] == names["eager-traced vs graph: events"] == "pass"
     assert names["golden:graph:grad_norm"] == "pass"
     assert names["graph: graph:buffer-sets"] == names["graph: overlap"] == names["eager: overlap"] == "pass"
+    for arm in ("eager-traced", "graph"):
+        assert graph_builds(update, tmp_path / "update", arm) == "trace, cache miss on 2 ranks"
+        assert graph_builds(run, out, arm) == "cache hit on 2 ranks"
+        for record in ("digests.jsonl", "graph.json", "weights.rank0.json", "weights.rank1.json"):
+            traced, cached = (d / "arms" / arm / record for d in (tmp_path / "update", out))
+            assert traced.read_bytes() == cached.read_bytes(), record
 
     out = tmp_path / "four"
     run = run_harness("run", "parity", "--ranks", 2, "--steps", 2, "--set", "chunks=4", "--golden", "off", "--out", out)

@@ -21,7 +21,7 @@ from harness.checks.graph import (
 )
 from harness.reference.chunking.checks import exchange_inventory
 from harness.reference.chunking.graph import ChunkingError, buffer_set_of, chunk_regions
-from harness.reference.chunking.graph_step import MARKERS, ROOT_PATTERNS, GraphStep, compile_graph_step
+from harness.reference.chunking.graph_step import MARKERS, ROOT_PATTERNS, GraphPasses, GraphStep, compile_graph_step
 from harness.reference.chunking.trace import TracedStep, is_backward, node_fqn, trace_train_step
 from harness.reference.model import DeepseekV3ForCausalLM, causal_lm_loss, get_config
 from harness.reference.train import TrainConfig, Trainer, synthetic_batch
@@ -51,7 +51,7 @@ def traced(model: DeepseekV3ForCausalLM) -> TracedStep:
 
 
 def compiled(traced: TracedStep, model: DeepseekV3ForCausalLM, **kwargs) -> GraphStep:
-    return compile_graph_step(copy.deepcopy(traced), model, **{"chunks": 2, **kwargs})
+    return compile_graph_step(copy.deepcopy(traced), model, GraphPasses(**{"chunks": 2, **kwargs}))
 
 
 def failing(step: GraphStep) -> set[str]:

@@ -129,6 +129,7 @@ class HFLockstep:
         self.trainer = Trainer(config, event_sink=event_sink, grad_sink=self._keep_grads, update_sink=update_sink)
         self.moe_layers = self.trainer.moe_layers
         self.graph_export = self.trainer.graph_export
+        self.graph_build = self.trainer.graph_build
         self.group = self.trainer.group
         model = self.trainer.replicas[self.group.local_ranks[0]].model
         expert_ids = {id(p) for p in model.expert_parameters()}

@@ -16,23 +16,25 @@ import json
 import os
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import Any, Callable
 
 import torch
-
-# torch.distributed.nn.functional binds ``group=group.WORLD`` as default arguments when it is first
-# imported; torch._dynamo imports it, and so does torch.use_deterministic_algorithms (through
-# torch._inductor.config). Imported after init_process_group, it would hold the default gloo group
-# for good: destroy_process_group no longer frees it, its worker threads outlive the interpreter,
-# and one still releasing a collective's tensors at shutdown calls std::terminate (SIGABRT after
-# all the work is done). Imported here, before any process group exists, the defaults bind None.
-import torch._inductor.config  # noqa: F401
 import torch.distributed as dist
 
+# torch.distributed.nn.functional binds ``group=group.WORLD`` as default arguments when it is first
+# imported; torch._dynamo imports it (tracing does), and so does torch.use_deterministic_algorithms
+# (through torch._inductor.config). Imported after init_process_group, it would hold the default
+# gloo group for good: destroy_process_group no longer frees it, its worker threads outlive the
+# interpreter, and one still releasing a collective's tensors at shutdown calls std::terminate
+# (SIGABRT after all the work is done). Imported here, before any process group exists, the
+# defaults bind None; this module alone costs milliseconds, where torch._dynamo costs a second.
+import torch.distributed.nn.functional  # noqa: F401
+
 from harness.reference.chunking.eager import SPLIT_DIMS, apply_eager_chunking
-from harness.reference.chunking.graph_step import FAULTS, GraphStep, build_graph_step
+from harness.reference.chunking.graph_step import FAULTS, GraphPasses, GraphStep, build_graph_step
 from harness.reference.chunking.schedule import EPScheduler
+from harness.reference.chunking.trace_cache import GraphCache
 from harness.reference.ep.exchange import EventSink, TokenExchange, bind
 from harness.reference.ep.group import LogicalGroup
 from harness.reference.model import (
@@ -211,9 +213,11 @@ class Trainer:
         event_sink: EventSink | None = None,
         grad_sink: GradSink | None = None,
         update_sink: UpdateSink | None = None,
+        trace_cache: GraphCache | None = None,
     ) -> None:
         set_determinism(config.device)
         self.config = config
+        self.trace_cache = trace_cache
         self.grad_sink = grad_sink
         self.update_sink = update_sink
         self.group = LogicalGroup(config.ep)
@@ -237,28 +241,43 @@ class Trainer:
         return torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)) % torch.cuda.device_count())
 
     def _build_graph_step(self) -> GraphStep:
-        """Traced once, from the first local replica; every replica runs it with its own tensors."""
+        """Traced once, from the first local replica (or loaded from the trace cache); every replica
+        runs it with its own tensors."""
         config = self.config
         rank = self.logical_ranks[0]
         batch = [t.to(self.device) for t in synthetic_batch(config, self.cfg.vocab_size, 0, rank)]
+        passes = GraphPasses(
+            chunks=config.chunks,
+            chunk_roots=config.chunk_roots,
+            num_buffer_sets=config.num_buffer_sets,
+            fault=config.fault,
+            inductor_pattern=ATTENTION if config.compile_attention else None,
+        )
+        cache = None
+        if self.trace_cache is not None:
+            trainer = f"{type(self).__module__}.{type(self).__qualname__}"
+            identity = {"config": asdict(config), "rank": rank, "device": str(self.device)}
+            cache = self.trace_cache.slot(trainer=trainer, **identity)
         return build_graph_step(
             self.replicas[rank].model,
             batch,
             lambda model, inputs, labels: causal_lm_loss(model(inputs), labels),
+            passes,
             mode=config.chunking,
-            chunks=config.chunks,
-            chunk_roots=config.chunk_roots,
             chunk_dim=SPLIT_DIMS[config.chunk_dim],
-            num_buffer_sets=config.num_buffer_sets,
             loss_divisor=config.ep,
-            fault=config.fault,
-            inductor_pattern=ATTENTION if config.compile_attention else None,
+            cache=cache,
         )
 
     @property
     def graph_export(self) -> dict | None:
         """The traced graph's exchange ops as plain data (None for eager arms); see ``export_exchange_graph``."""
         return self.graph_step.exported if self.graph_step else None
+
+    @property
+    def graph_build(self) -> dict | None:
+        """Where the traced graph came from and what building it cost (None for eager arms); see ``GraphStep.build``."""
+        return self.graph_step.build if self.graph_step else None
 
     def step(self, step: int) -> dict:
         start = time.perf_counter()

@@ -19,6 +19,7 @@ runs without that pass, so the run shows its consequences as well.
 
 from __future__ import annotations
 
+import time
 from collections import Counter
 from dataclasses import dataclass, field, replace
 from typing import Callable, Sequence
@@ -54,6 +55,7 @@ from harness.reference.chunking.trace import (
     node_fqn,
     trace_train_step,
 )
+from harness.reference.chunking.trace_cache import CacheSlot
 from harness.reference.ep import ops
 from harness.reference.ep.exchange import POOL_OF, region, set_region
 from harness.reference.model import MoE
@@ -75,12 +77,18 @@ EXPECTED_PER_LAYER = {
 
 @dataclass
 class GraphStep:
-    """One traced train step, ready to run: ``step(params, buffers, *batch) -> (loss, grads)``."""
+    """One traced train step, ready to run: ``step(params, buffers, *batch) -> (loss, grads)``.
+
+    ``build`` says where the graph came from and what each stage cost: ``origin`` (``"trace"`` or
+    ``"cache"``), ``cache`` (``"off"``, ``"hit"``, ``"miss"`` or why an entry was unusable) and
+    ``seconds`` per stage (trace and passes, or load; then finish: the last passes and the checks).
+    """
 
     gm: fx.GraphModule
     checks: list[GraphCheck] = field(default_factory=list)
     exported: dict = field(default_factory=dict)  # the exchange ops as plain data (export_exchange_graph)
     boxed: bool = False  # regional Inductor leaves a graph that takes one flat list and returns a flat tuple
+    build: dict = field(default_factory=dict)
 
     def __call__(self, params: Sequence[torch.Tensor], buffers: Sequence[torch.Tensor], *batch: torch.Tensor):
         # Graph inputs must have the strides they were traced with; region() restores the
@@ -93,90 +101,136 @@ class GraphStep:
             return loss, grads
 
 
+@dataclass(frozen=True)
+class GraphPasses:
+    """What the passes make of a traced step; ``fault`` breaks one of them on purpose (FAULTS)."""
+
+    chunks: int
+    chunk_roots: str = "moe"
+    num_buffer_sets: int = 2
+    fault: str = "none"
+    inductor_pattern: str | None = None  # modules compiled with regional Inductor, after the checks' passes
+
+    def __post_init__(self) -> None:
+        if self.fault not in FAULTS:
+            raise ValueError(f"fault must be one of {FAULTS}, got {self.fault!r}")
+
+
+@dataclass
+class ScheduledGraph:
+    """A traced step after the chunk, buffer-set and scheduler passes, with those passes' own checks:
+    what the trace cache stores (no fake values, no callables outside torch)."""
+
+    gm: fx.GraphModule
+    pass_checks: list[GraphCheck]
+
+
 def build_graph_step(
     model: nn.Module,
     batch: Sequence[torch.Tensor],
     loss_fn: LossFn,
+    passes: GraphPasses,
     *,
     mode: str,
-    chunks: int,
-    chunk_roots: str = "moe",
     chunk_dim: int = 0,
-    num_buffer_sets: int = 2,
     loss_divisor: float = 1.0,
-    fault: str = "none",
-    inductor_pattern: str | None = None,
+    cache: CacheSlot | None = None,
 ) -> GraphStep:
     """Trace ``model``'s train step on ``batch``'s shapes and turn it into the ``mode`` arm's graph.
 
-    For ``"eager-traced"``, ``model`` must already be eagerly chunked the same way.
+    For ``"eager-traced"``, ``model`` must already be eagerly chunked the same way. With ``cache``,
+    the scheduled graph is loaded from it when present and stored in it when traced; either way
+    the finishing passes and every static check run on it (:func:`finish_graph_step`). A graph
+    compiled with regional Inductor is never cached: Inductor needs the trace's fake values.
     """
     if mode not in ("graph", "eager-traced"):
         raise ValueError(f"mode must be 'graph' or 'eager-traced', got {mode!r}")
-    symbolic = chunk_dim if mode == "graph" else None
-    traced = trace_train_step(model, batch, loss_fn, loss_divisor=loss_divisor, chunk_dim=symbolic)
-    return compile_graph_step(
-        traced,
-        model,
-        chunks=chunks,
-        chunk_roots=chunk_roots,
-        num_buffer_sets=num_buffer_sets,
-        fault=fault,
-        inductor_pattern=inductor_pattern,
-    )
+    if passes.inductor_pattern is not None:
+        cache = None
+    build: dict = {"cache": "off" if cache is None else "miss", "seconds": {}}
+    began = time.perf_counter()
+    scheduled = cache.load() if cache is not None else None
+    if scheduled is not None:
+        build["origin"], build["seconds"]["load"] = "cache", time.perf_counter() - began
+    else:
+        symbolic = chunk_dim if mode == "graph" else None
+        traced = trace_train_step(model, batch, loss_fn, loss_divisor=loss_divisor, chunk_dim=symbolic)
+        traced_at = time.perf_counter()
+        scheduled = schedule_graph(traced, model, passes)
+        if cache is not None:
+            cache.store(scheduled)
+        build["origin"] = "trace"
+        build["seconds"].update(trace=traced_at - began, passes=time.perf_counter() - traced_at)
+    if cache is not None:
+        build["cache"] = cache.status
+    finishing = time.perf_counter()
+    step = finish_graph_step(scheduled, model, passes)
+    build["seconds"]["finish"] = time.perf_counter() - finishing
+    step.build = build
+    return step
 
 
-def compile_graph_step(
-    traced: TracedStep,
-    model: nn.Module,
-    *,
-    chunks: int,
-    chunk_roots: str = "moe",
-    num_buffer_sets: int = 2,
-    fault: str = "none",
-    inductor_pattern: str | None = None,
-) -> GraphStep:
-    """Run the passes on a traced step, in place: the graph arm's if it has a chunk symbol, else eager-traced's.
+def compile_graph_step(traced: TracedStep, model: nn.Module, passes: GraphPasses) -> GraphStep:
+    """Run every pass on a traced step, in place: the graph arm's if it has a chunk symbol, else eager-traced's."""
+    return finish_graph_step(schedule_graph(traced, model, passes), model, passes)
 
-    ``inductor_pattern`` names modules (say ``model.layers.*.self_attn``) whose nodes, forward and
-    backward, are compiled with Inductor; everything else runs op by op.
-    """
-    if fault not in FAULTS:
-        raise ValueError(f"fault must be one of {FAULTS}, got {fault!r}")
+
+def schedule_graph(traced: TracedStep, model: nn.Module, passes: GraphPasses) -> ScheduledGraph:
+    """The passes that need the trace's fake values: chunking and buffer sets (a graph with a chunk
+    symbol only), then the scheduler. Everything they decide is in the graph and its metadata."""
     gm = traced.gm
-    pattern = ROOT_PATTERNS[chunk_roots]
-    roots = [r for r in (match_root(f, pattern) for f in moe_fqns(model)) if r]
-    count = dict(root_pattern=pattern, roots=roots, expected=EXPECTED_PER_LAYER)
+    fault = passes.fault
     checks: list[GraphCheck] = []
     if traced.symbol is not None:
-        check_chunkable(traced, chunks)
-        unchunked = check_exchange_counts(gm, MARKERS, chunks=None, **count)
+        check_chunkable(traced, passes.chunks)
+        unchunked = check_exchange_counts(gm, MARKERS, chunks=None, **_counts(model, passes))
         checks.append(replace(unchunked, name="graph:unchunked-exchange-counts"))
         chunk_regions(
             gm,
             symbol=traced.symbol,
-            chunks=chunks,
-            root_pattern=pattern,
+            chunks=passes.chunks,
+            root_pattern=ROOT_PATTERNS[passes.chunk_roots],
             is_launch=MARKERS.is_launch,
             backward=fault != "clone-forward-only",
         )
-        checks.append(_buffer_set_pass(gm, num_buffer_sets, skip=fault == "skip-buffer-pass"))
+        checks.append(_buffer_set_pass(gm, passes.num_buffer_sets, skip=fault == "skip-buffer-pass"))
     elif fault != "none":
         raise ValueError(f"fault {fault!r} breaks a graph-chunking pass: it needs a graph traced with a chunk symbol")
-    schedule_regions(gm, EPScheduler(num_buffer_sets, reverse_backward=fault != "forward-order-backward"), MARKERS)
-    if fault == "drop-wait":
+    scheduler = EPScheduler(passes.num_buffer_sets, reverse_backward=fault != "forward-order-backward")
+    schedule_regions(gm, scheduler, MARKERS)
+    return ScheduledGraph(gm, checks)
+
+
+def finish_graph_step(scheduled: ScheduledGraph, model: nn.Module, passes: GraphPasses) -> GraphStep:
+    """The passes after scheduling, then the static checks and the export; the same for a fresh and a
+    cached graph.
+
+    ``inductor_pattern`` names modules (say ``model.layers.*.self_attn``) whose nodes, forward and
+    backward, are compiled with Inductor; everything else runs op by op.
+    """
+    gm = scheduled.gm
+    if passes.fault == "drop-wait":
         drop_first_wait(gm)
     mark_exchange_regions(gm, lambda fqn: moe_layer(model, fqn))
-    if inductor_pattern is not None:
-        gm = compile_regions(gm, inductor_pattern)
-    checks += [
-        check_exchange_counts(gm, MARKERS, chunks=chunks, **count),
+    if passes.inductor_pattern is not None:
+        gm = compile_regions(gm, passes.inductor_pattern)
+    counts = _counts(model, passes)
+    checks = [
+        *scheduled.pass_checks,
+        check_exchange_counts(gm, MARKERS, chunks=passes.chunks, **counts),
         check_launch_wait_pairs(gm, MARKERS),
-        check_buffer_sets(gm, MARKERS, num_buffer_sets),
+        check_buffer_sets(gm, MARKERS, passes.num_buffer_sets),
         check_chunk_order(gm, MARKERS),
     ]
-    exported = export_exchange_graph(gm, MARKERS, pattern)
-    return GraphStep(gm, checks, exported, boxed=inductor_pattern is not None)
+    exported = export_exchange_graph(gm, MARKERS, counts["root_pattern"])
+    return GraphStep(gm, checks, exported, boxed=passes.inductor_pattern is not None)
+
+
+def _counts(model: nn.Module, passes: GraphPasses) -> dict:
+    """What check_exchange_counts expects: each matched root exchanges EXPECTED_PER_LAYER."""
+    pattern = ROOT_PATTERNS[passes.chunk_roots]
+    roots = [r for r in (match_root(f, pattern) for f in moe_fqns(model)) if r]
+    return dict(root_pattern=pattern, roots=roots, expected=EXPECTED_PER_LAYER)
 
 
 def moe_fqns(model: nn.Module) -> list[str]:

@@ -1,0 +1,117 @@
+"""Where the time to a verdict goes: each process's phases, and the run's timeline built from them.
+
+Every rank process records its phases (imports, rendezvous, and per arm build, steps and finish,
+then shutdown) to ``phases/<group>.rank<k>.jsonl``, one line per finished phase with wall-clock
+``start`` and ``end``, so a crash keeps the phases before it. The harness process keeps its own
+(imports, prepare, one launch per group, judge, report) in ``summary.json``.
+
+:func:`timeline` cuts the run's wall time into consecutive segments. Ranks run their phases in
+step (they meet at every collective), so a rank phase's segment ends when the *last* rank ends
+it: the segments are the run's critical path, and they add up to its wall time exactly.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import time
+from collections import Counter
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+PHASES_DIR = "phases"
+
+
+def rank_phases_path(run_dir: Path, group: str, rank: int) -> Path:
+    return Path(run_dir) / PHASES_DIR / f"{group}.rank{rank}.jsonl"
+
+
+class PhaseLog:
+    """A process's phases, in order; each is handed to ``sink`` (a rank's JSONL writer) as it ends."""
+
+    def __init__(self, sink: Callable[[dict], None] | None = None) -> None:
+        self.phases: list[dict] = []
+        self._sink = sink
+
+    def add(self, phase: str, start: float, end: float, **labels: object) -> None:
+        """A phase that has ended; ``labels`` (group, arm, detail) travel with it."""
+        record = {"phase": phase, **labels, "start": start, "end": end}
+        self.phases.append(record)
+        if self._sink is not None:
+            self._sink(record)
+
+    @contextlib.contextmanager
+    def phase(self, phase: str, **labels: object) -> Iterator[dict]:
+        """Times the block; the caller may fill the yielded dict (it becomes ``detail``). A block
+        that raises is still recorded, with ``"failed": True``."""
+        detail: dict = {}
+        start = time.time()
+        try:
+            yield detail
+        except BaseException:
+            detail["failed"] = True
+            raise
+        finally:
+            self.add(phase, start, time.time(), **labels, **({"detail": detail} if detail else {}))
+
+
+def read_rank_phases(run_dir: Path, group: str) -> dict[int, list[dict]]:
+    """Every rank's recorded phases of one launch group; a line cut short by a crash is dropped."""
+    phases = {}
+    for path in sorted((Path(run_dir) / PHASES_DIR).glob(f"{group}.rank*.jsonl")):
+        rank = int(path.stem.rsplit(".rank", 1)[1])
+        lines = []
+        for line in path.read_text(encoding="utf-8").splitlines():
+            with contextlib.suppress(json.JSONDecodeError):
+                lines.append(json.loads(line))
+        phases[rank] = lines
+    return phases
+
+
+def timeline(harness: list[dict], ranks: dict[str, dict[int, list[dict]]]) -> list[dict]:
+    """Consecutive segments from the harness's first phase to its last, each ``{segment, group, arm,
+    seconds, detail}``. Inside a launch: ``start processes`` (the launcher, until the last rank
+    is running), then each rank phase until the last rank ends it, then ``exit`` (until the launch
+    returns)."""
+    segments: list[dict] = []
+    if not harness:
+        return segments
+    cursor = harness[0]["start"]
+
+    def cut(segment: str, end: float, group: str | None = None, arm: str | None = None, detail: str = "") -> None:
+        nonlocal cursor
+        seconds = max(0.0, end - cursor)
+        segments.append({"segment": segment, "group": group, "arm": arm, "seconds": seconds, "detail": detail})
+        cursor = max(cursor, end)
+
+    for phase in harness:
+        if phase["phase"] != "launch":
+            cut(phase["phase"], phase["end"])
+            continue
+        group = phase["group"]
+        per_rank = ranks.get(group, {})
+        if per_rank:
+            cut("start processes", max(p[0]["start"] for p in per_rank.values() if p), group)
+        for (name, arm), recorded in _aligned(per_rank):
+            cut(name, max(r["end"] for r in recorded), group, arm, _graph_detail(recorded))
+        cut("exit", phase["end"], group)
+    return segments
+
+
+def _aligned(per_rank: dict[int, list[dict]]) -> list[tuple[tuple[str, str | None], list[dict]]]:
+    """Each (phase, arm) in the order the ranks ran them, with every rank's record of it."""
+    order: dict[tuple[str, str | None], list[dict]] = {}
+    for records in per_rank.values():
+        for record in records:
+            order.setdefault((record["phase"], record.get("arm")), []).append(record)
+    return sorted(order.items(), key=lambda item: min(r["start"] for r in item[1]))
+
+
+def _graph_detail(recorded: list[dict]) -> str:
+    """How a traced arm's graph was built across the ranks: "cache hit on 2 ranks", "trace, cache miss on 2 ranks"."""
+    builds = Counter(
+        f"{g['origin']}, cache {g['cache']}" if g["origin"] == "trace" else f"cache {g['cache']}"
+        for r in recorded
+        if (g := (r.get("detail") or {}).get("graph"))
+    )
+    return "; ".join(f"{how} on {n} rank{'s' * (n > 1)}" for how, n in builds.items())
