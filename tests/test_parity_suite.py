@@ -40,6 +40,10 @@ def test_parity_passes_with_golden_and_four_chunks(run_harness, tmp_path: Path) 
         for record in ("digests.jsonl", "graph.json", "weights.rank0.json", "weights.rank1.json"):
             traced, cached = (d / "arms" / arm / record for d in (tmp_path / "update", out))
             assert traced.read_bytes() == cached.read_bytes(), record
+    timing = run.summary(out)["timing"]  # measured inside, so within the wall time measured outside
+    assert 0 < timing["total_s"] <= run.elapsed_s
+    assert [s["segment"] for s in timing["timeline"]][-2:] == ["judge", "report"]
+    assert "<h2>Time to verdict</h2>" in (out / "report.html").read_text()
 
     out = tmp_path / "four"
     run = run_harness("run", "parity", "--ranks", 2, "--steps", 2, "--set", "chunks=4", "--golden", "off", "--out", out)

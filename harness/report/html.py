@@ -20,6 +20,7 @@ from matplotlib.ticker import MaxNLocator
 from harness.report.checks import group_by_kind, problems_first, status_counts, tally
 from harness.report.figures import literal, png_base64
 from harness.report.throughput import throughput_view
+from harness.report.timing import timing_view
 
 _TEMPLATES = jinja2.Environment(
     loader=jinja2.FileSystemLoader(Path(__file__).parent / "templates"),
@@ -192,6 +193,7 @@ def write_html(
         headers=headers,
         rows=rows,
         manifest=json.dumps(manifest, indent=2, default=str) if manifest is not None else None,
+        timing=timing_view(summary.get("timing")),
     )
     Path(path).parent.mkdir(parents=True, exist_ok=True)
     Path(path).write_text(html, encoding="utf-8")
