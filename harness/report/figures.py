@@ -1,7 +1,8 @@
 """What every plot of the report shares: figures inlined as base64 PNG, labels shown as written.
 
-matplotlib is imported here, when a report draws its first figure, not when the harness starts:
-a command that draws nothing (list, doctor, a run's launch) does not pay its ~0.3 s import.
+matplotlib is imported here, when a report draws its first figure, not when the harness starts: a
+command that draws nothing (list, doctor, submit --no-wait) never pays its ~0.3 s import, and a run
+pays it after its ranks have exited.
 """
 
 from __future__ import annotations
