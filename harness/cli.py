@@ -12,6 +12,7 @@ file the line names when no run directory exists yet.
 from __future__ import annotations
 
 import argparse
+import gc
 import math
 import signal
 import sys
@@ -298,7 +299,12 @@ def _crash_log() -> Path:
 
 
 def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
+    """The ``harness`` command on ``argv``; None: the program itself (console script, ``python -m harness``)."""
+    if argv is None:
+        # The imports made ~300k objects (torch alone ~170k) that live until exit. Frozen, they are no longer
+        # walked by each full collection (~0.2 s apiece while judging) nor by those at exit (~0.7 s).
+        gc.freeze()
+        argv = sys.argv[1:]
     args = build_parser().parse_args(argv)
     try:
         return _command(args, argv)

@@ -1,5 +1,8 @@
 import re
+import subprocess
+import sys
 import xml.etree.ElementTree as ET
+from pathlib import Path
 
 import numpy as np
 import pandas as pd
@@ -7,6 +10,8 @@ import pytest
 
 from harness.compare import Exact, compare_arms
 from harness.report import format_verdict_table, write_html, write_junit
+
+REPO = Path(__file__).resolve().parent.parent
 
 
 def metrics(steps=12, perturb_at=None):
@@ -107,6 +112,14 @@ def test_html_is_self_contained_and_shows_checks(tmp_path):
     assert html.count('<tr class="fail">') == 2 and '<tr class="divergent">' in html
     assert repr(float(m["graph"].loc[7, "loss"])) in html  # exact per-step values
     assert "golden eager" in html and "&#34;seed&#34;: 42" in html
+
+
+def test_the_cli_loads_matplotlib_and_scipy_only_when_a_report_draws_or_a_throughput_is_judged():
+    """Every command imports harness.cli; one that draws nothing or judges no throughput (list, a parity
+    run until its report) must not pay ~0.3 s for matplotlib nor ~0.4 s for scipy.stats."""
+    code = "import sys, harness.cli; print(*(m for m in ('matplotlib', 'scipy') if m in sys.modules))"
+    imported = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, check=True)
+    assert imported.stdout.split() == []
 
 
 @pytest.mark.parametrize("perturb_at", [None, 0])

@@ -14,11 +14,9 @@ from pathlib import Path
 import jinja2
 import numpy as np
 import pandas as pd
-from matplotlib.figure import Figure  # no pyplot: no global backend or figure state
-from matplotlib.ticker import MaxNLocator
 
 from harness.report.checks import group_by_kind, problems_first, status_counts, tally
-from harness.report.figures import literal, png_base64
+from harness.report.figures import integer_ticks, literal, new_figure, png_base64
 from harness.report.throughput import throughput_view
 from harness.report.timing import timing_view
 
@@ -56,10 +54,10 @@ def _differences(
 
 def _plot(metric: str, metrics: dict[str, pd.DataFrame], golden: dict[str, pd.DataFrame]) -> str:
     """One PNG (base64) per metric: all arms overlaid, and their absolute differences on a log scale."""
-    fig = Figure(figsize=(11, 3.4), dpi=100, layout="constrained")
+    fig = new_figure(11, 3.4)
     ax_values, ax_diff = fig.subplots(1, 2)
     for ax in (ax_values, ax_diff):
-        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+        integer_ticks(ax)
     marker = "." if max(len(f) for f in metrics.values()) <= _MARKERS_UP_TO else None
     for arm, frame in metrics.items():
         if metric in frame.columns:

@@ -13,11 +13,9 @@ from pathlib import Path
 
 import numpy as np
 import pandas as pd
-from matplotlib.figure import Figure
-from matplotlib.ticker import MaxNLocator
 
 from harness.records import read_jsonl
-from harness.report.figures import literal, png_base64
+from harness.report.figures import integer_ticks, literal, new_figure, png_base64
 from harness.throughput import RECORDS
 
 _SERIES_ORDER = ("main", "control")
@@ -168,7 +166,7 @@ def _ratio_plot(t: dict, threshold: float) -> str:
     panels = [(f"{t.get('b')}/{t.get('a')}", t)]
     if t.get("control"):
         panels.append((f"control: {t.get('a')}/{t.get('a')} (a second copy)", t["control"]))
-    fig = Figure(figsize=(5.5 * len(panels), 3.4), dpi=100, layout="constrained")
+    fig = new_figure(5.5 * len(panels), 3.4)
     axes = fig.subplots(1, len(panels), sharey=True, squeeze=False)[0]
     for ax, (title, stats) in zip(axes, panels):
         ratios = [_float(r) for r in stats.get("per_block_ratios") or []]
@@ -182,7 +180,7 @@ def _ratio_plot(t: dict, threshold: float) -> str:
             ax.axhline(threshold, color="C3", linestyle="--", label=f"threshold {threshold:.3f}")
         ax.axhline(1.0, color="grey", linewidth=0.8)
         ax.set(title=literal(title), xlabel="block")
-        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+        integer_ticks(ax)
         ax.legend(fontsize="small")
     axes[0].set_ylabel("step time ratio (> 1: slower)")
     return png_base64(fig)
@@ -205,7 +203,7 @@ def _distribution_plot(frame: pd.DataFrame) -> str:
     series_roles = list(_ordered(frame).groupby(["series", "role"], sort=False))
     labels = [f"{series} {_copy(rows, role)}\n{'/'.join(rows['arm'].astype(str).unique())}"
               for (series, role), rows in series_roles]  # fmt: skip
-    fig = Figure(figsize=(11, 3.6), dpi=100, layout="constrained")
+    fig = new_figure(11, 3.6)
     ax_time, ax_memory = fig.subplots(1, 2)
     times = [rows["step_time_s"].astype("float64").dropna().to_numpy() for _, rows in series_roles]
     positions = np.arange(1, len(times) + 1)
@@ -221,7 +219,7 @@ def _distribution_plot(frame: pd.DataFrame) -> str:
         for label, (_, rows) in zip(labels, series_roles):
             per_block = rows.groupby("block")["peak_memory_bytes"].max().astype("float64") / _MIB
             ax_memory.plot(per_block.index, per_block.to_numpy(), "o-", label=literal(label.replace("\n", ": ")))
-        ax_memory.xaxis.set_major_locator(MaxNLocator(integer=True))
+        integer_ticks(ax_memory)
         ax_memory.set(title="peak memory per block", xlabel="block", ylabel="MiB")
         ax_memory.legend(fontsize="small")
     else:
