@@ -17,7 +17,7 @@ import os
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 import torch.distributed as dist
@@ -31,10 +31,9 @@ import torch.distributed as dist
 # defaults bind None; this module alone costs milliseconds, where torch._dynamo costs a second.
 import torch.distributed.nn.functional  # noqa: F401
 
+from harness.reference.chunking import FAULTS
 from harness.reference.chunking.eager import SPLIT_DIMS, apply_eager_chunking
-from harness.reference.chunking.graph_step import FAULTS, GraphPasses, GraphStep, build_graph_step
 from harness.reference.chunking.schedule import EPScheduler
-from harness.reference.chunking.trace_cache import GraphCache
 from harness.reference.ep.exchange import EventSink, TokenExchange, bind
 from harness.reference.ep.group import LogicalGroup
 from harness.reference.model import (
@@ -44,6 +43,10 @@ from harness.reference.model import (
     causal_lm_loss,
     get_config,
 )
+
+if TYPE_CHECKING:
+    from harness.reference.chunking.graph_step import GraphStep
+    from harness.reference.chunking.trace_cache import GraphCache
 
 ROUTINGS = ("forced-balanced", "learned")
 # "eager-traced" and "graph" run one traced train step (forward, loss, backward) per rank instead
@@ -243,6 +246,10 @@ class Trainer:
     def _build_graph_step(self) -> GraphStep:
         """Traced once, from the first local replica (or loaded from the trace cache); every replica
         runs it with its own tensors."""
+        # Imported here: tracing brings sympy and FX's symbolic shapes, which a process that trains
+        # eagerly, or only validates configs (the harness's), does without.
+        from harness.reference.chunking.graph_step import GraphPasses, build_graph_step
+
         config = self.config
         rank = self.logical_ranks[0]
         batch = [t.to(self.device) for t in synthetic_batch(config, self.cfg.vocab_size, 0, rank)]

@@ -29,6 +29,7 @@ from torch import fx, nn
 from torch._guards import TracingContext, detect_fake_mode, tracing
 from torch.fx.passes.regional_inductor import regional_inductor
 
+from harness.reference.chunking import FAULTS
 from harness.reference.chunking.checks import (
     GraphCheck,
     check_buffer_sets,
@@ -61,7 +62,6 @@ from harness.reference.ep.exchange import POOL_OF, region, set_region
 from harness.reference.model import MoE
 
 ROOT_PATTERNS = {"moe": "model.layers.*.mlp", "block": "model.layers.*"}
-FAULTS = ("none", "skip-buffer-pass", "drop-wait", "forward-order-backward", "clone-forward-only")
 
 MARKERS = ExchangeMarkers(
     is_launch=lambda n: n.op == "call_function" and n.target in ops.LAUNCH_OVERLOADS,

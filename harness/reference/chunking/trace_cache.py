@@ -31,8 +31,6 @@ from types import ModuleType
 from typing import Any
 
 import torch
-from torch._subclasses.fake_tensor import FakeTensorMode
-from torch.fx.experimental.symbolic_shapes import ShapeEnv
 
 REFERENCE_ROOT = Path(__file__).resolve().parents[1]  # harness/reference
 # The node metadata a scheduled graph still needs: what the finishing passes and checks read.
@@ -40,8 +38,8 @@ KEPT_METADATA = frozenset({"custom", "nn_module_stack", "autograd_backward"})
 
 
 def _graph_pickler() -> ModuleType:
-    """torch.fx._graph_pickler, imported on first use: it imports torch._dynamo (about a second),
-    which only a process that builds a traced arm needs."""
+    """torch.fx._graph_pickler, imported on first use: it imports torch._dynamo and FX's symbolic
+    shapes (about a second), which only a process that builds a traced arm needs."""
     import torch.fx._graph_pickler
 
     return torch.fx._graph_pickler
@@ -90,10 +88,14 @@ class CacheSlot:
         except OSError as error:
             self.status = f"unreadable ({error})"
             return None
+        pickler = _graph_pickler()
+        from torch._subclasses.fake_tensor import FakeTensorMode  # loaded with the pickler: see above
+        from torch.fx.experimental.symbolic_shapes import ShapeEnv
+
         try:
             with warnings.catch_warnings():  # torch's own unpickling of pytree specs warns of a deprecation
                 warnings.simplefilter("ignore", FutureWarning)
-                loaded = _graph_pickler().GraphPickler.loads(data, FakeTensorMode(shape_env=ShapeEnv()))
+                loaded = pickler.GraphPickler.loads(data, FakeTensorMode(shape_env=ShapeEnv()))
         except Exception as error:  # any unreadable entry is a miss; the fresh graph replaces it
             self.status = f"unreadable ({type(error).__name__}: {error})"
             return None
