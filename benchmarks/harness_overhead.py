@@ -9,11 +9,13 @@ confidence interval. Both sides, like for like:
 * train the same Trainer (``TrainConfig(ep=ranks)``, the suite's defaults: cpu-tiny, seed 42) for
   the same steps, one intra-op thread per rank, with the same CPU kernels: the bare ranks get the
   environment the harness gives its ranks under ``--cpu-isa`` (the AVX2 pin by default);
-* end the same way: ``trainer.close()``, ``destroy_process_group()``, then a normal interpreter
-  exit in every rank (neither side skips finalisation with ``os._exit``).
+* end the same way: ``trainer.close()``, ``destroy_process_group()``, then ``os._exit(0)`` in
+  every rank once its output is flushed (the harness's ranks skip the interpreter's teardown, so
+  the bare ones do too, and the ratio does not count it).
 
 Only in B, so what the ratio measures: suite validation, the environment description and the
-manifest; in each rank, the death watch, stack-dump handler and error-file recorder, a line per
+manifest; in each rank, the death watch, stack-dump handler and error-file recorder, the phase
+records, imports frozen out of the garbage collector (``gc.freeze``), a line per
 step in its log, and the records (metrics, events and losses of every logical rank, logical rank
 0's gradient and parameter digests every step, parameter hashes, final-weight hashes); the
 launcher's watchdog and exit-recorder threads; and, after the ranks, the checks, summary, report
@@ -62,6 +64,8 @@ def bare_worker(steps: int, ep: int) -> None:
         trainer.step(step)
     trainer.close()
     dist.destroy_process_group()
+    sys.stdout.flush()
+    os._exit(0)
 
 
 def timed(cmd: list[str], env: dict[str, str] | None = None) -> float:
