@@ -15,6 +15,11 @@ Both get the same static checks, and export their scheduled exchange ops as plai
 outside the reference. A fault, for proving the checks catch real bugs, breaks one step
 of the ``"graph"`` arm. A pass that rejects the graph is reported as a failed check, and the graph
 runs without that pass, so the run shows its consequences as well.
+
+The work splits where the trace cache (:mod:`~harness.reference.chunking.trace_cache`) stores it:
+:func:`schedule_graph` runs the passes that need the trace's fake values and yields a
+:class:`ScheduledGraph`; :func:`finish_graph_step` runs the rest, the checks and the export, on a
+graph fresh from the trace or loaded from the cache alike.
 """
 
 from __future__ import annotations
