@@ -20,12 +20,15 @@ Graph chunking needs two things from the trace:
 
 from __future__ import annotations
 
+import contextlib
 import os
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
 import sympy
 import torch
+import torch.fx.config as fx_config
 import torch.fx.traceback as fx_traceback
 from torch import fx, nn
 from torch._functorch._aot_autograd.logging_utils import setup_stacktrace_preservation_hooks
@@ -96,7 +99,7 @@ def trace_train_step(
     params = [fake_mode.from_tensor(p, static_shapes=True) for p in model.parameters()]
     buffers = [fake_mode.from_tensor(b, static_shapes=True) for b in model.buffers()]
     fake_batch = [_fake_input(fake_mode, t, chunk_dim) for t in batch]
-    with fx_traceback.preserve_node_meta():
+    with fx_traceback.preserve_node_meta(), _without_stack_traces():
         gm = make_fx(root, tracing_mode="fake" if chunk_dim is None else "symbolic", record_module_stack=True)(
             params, buffers, *fake_batch
         )
@@ -109,6 +112,19 @@ def trace_train_step(
     symbol = size.node.expr
     guards = [g.expr for g in shape_env.guards if symbol in g.expr.free_symbols]
     return TracedStep(gm, root.param_names, root.buffer_names, symbol, chunk_dim, batch[0].shape[chunk_dim], guards)
+
+
+@contextlib.contextmanager
+def _without_stack_traces() -> Iterator[None]:
+    """FX's module-stack tracer captures and symbolizes the Python stack of every node it creates,
+    about a tenth of a symbolic trace; nothing here reads ``stack_trace`` (the gradient-accumulation
+    marker comes from the autograd hooks' own stacks), and the graph is the same without it."""
+    saved = fx_config.do_not_emit_stack_traces
+    fx_config.do_not_emit_stack_traces = True
+    try:
+        yield
+    finally:
+        fx_config.do_not_emit_stack_traces = saved
 
 
 def _fake_input(fake_mode: FakeTensorMode, tensor: torch.Tensor, chunk_dim: int | None) -> torch.Tensor:
