@@ -50,6 +50,7 @@ from harness.phases import PhaseLog, read_rank_phases, timeline
 from harness.progress import BlockProgress, Progress
 from harness.records import ArmRecords, RecordError, read_arm, read_metrics, write_json_atomic
 from harness.report import format_verdict_table, read_throughput, write_html, write_junit
+from harness.report.figures import import_in_background
 from harness.shipped import shipped_dir
 from harness.specs import SuiteSpec
 from harness.throughput import judge_throughput, plan_throughput_launches
@@ -483,6 +484,7 @@ def judge_run(run: PreparedRun, launch: GroupLauncher, out: TextIO = sys.stdout,
     """Launches a prepared run's groups with ``launch``, judges what they recorded, writes the
     summary, golden update and reports, and returns the exit code: one path for every launcher."""
     run_dir, suite, golden = run.run_dir, run.suite, run.golden
+    import_in_background()  # the report's matplotlib, while the ranks run
     with harness_log(run_dir), Cancellation():
         start = time.monotonic()
         launches: list[LaunchResult] = []

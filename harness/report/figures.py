@@ -1,14 +1,17 @@
 """What every plot of the report shares: figures inlined as base64 PNG, labels shown as written.
 
 matplotlib is imported here, when a report draws its first figure, not when the harness starts: a
-command that draws nothing (list, doctor, submit --no-wait) never pays its ~0.3 s import, and a run
-pays it after its ranks have exited.
+command that draws nothing (list, doctor, submit --no-wait) never pays its ~0.3 s import. A run
+starts it on a background thread as it launches its ranks (:func:`import_in_background`): the
+harness process sits idle while they run, and its report no longer waits for the import.
 """
 
 from __future__ import annotations
 
 import base64
+import importlib
 import io
+import threading
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -16,6 +19,11 @@ if TYPE_CHECKING:
     from matplotlib.figure import Figure
 
 _DPI = 100
+
+
+def import_in_background() -> None:
+    """Import matplotlib on a daemon thread; a figure drawn meanwhile waits for it (the import lock)."""
+    threading.Thread(target=importlib.import_module, args=("matplotlib.figure",), daemon=True).start()
 
 
 def new_figure(width: float, height: float) -> Figure:
