@@ -21,9 +21,17 @@ if TYPE_CHECKING:
 _DPI = 100
 
 
+# Seconds to leave the launcher alone first: it spawns the ranks and meets them at the rendezvous
+# (0.3-0.9 s here for 2-8 ranks), and an import running meanwhile would hold the GIL it needs.
+_IMPORT_DELAY_S = 1.0
+
+
 def import_in_background() -> None:
-    """Import matplotlib on a daemon thread; a figure drawn meanwhile waits for it (the import lock)."""
-    threading.Thread(target=importlib.import_module, args=("matplotlib.figure",), daemon=True).start()
+    """Import matplotlib on a daemon thread, once the ranks are started; a figure drawn meanwhile
+    waits for it (the import lock)."""
+    timer = threading.Timer(_IMPORT_DELAY_S, importlib.import_module, args=("matplotlib.figure",))
+    timer.daemon = True
+    timer.start()
 
 
 def new_figure(width: float, height: float) -> Figure:
