@@ -35,6 +35,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import random
 import re
 import shlex
 import shutil
@@ -322,12 +323,30 @@ def cancel(job_ids: list[str], signal_name: str | None = None) -> None:
 # --- inside a job --------------------------------------------------------------------------
 
 
+# Rendezvous ports are drawn from here up to the kernel's ephemeral range (the default's start if unreadable).
+_FIRST_RENDEZVOUS_PORT = 20000
+_EPHEMERAL_PORTS = Path("/proc/sys/net/ipv4/ip_local_port_range")
+
+
+def rendezvous_port(job_id: str) -> int:
+    """The job's MASTER_PORT, the same in every task: drawn from the job id, as submitit draws it, but
+    below the ephemeral range. submitit's range (20000-60000) overlaps it, and a port that a
+    connection on the first node happens to hold fails rank 0's store with EADDRINUSE."""
+    try:
+        first_ephemeral = int(_EPHEMERAL_PORTS.read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        first_ephemeral = 32768
+    return random.Random(job_id).randrange(_FIRST_RENDEZVOUS_PORT, max(first_ephemeral, _FIRST_RENDEZVOUS_PORT + 1))
+
+
 def rendezvous_env() -> dict[str, str]:
     """torch.distributed's environment for this task, from Slurm's: MASTER_ADDR (the first node of
-    the job), MASTER_PORT (from the job id), RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE.
+    the job), MASTER_PORT (:func:`rendezvous_port`), RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE.
     CUDA_VISIBLE_DEVICES stays as Slurm set it: the worker picks its GPU by LOCAL_RANK."""
+    from submitit import JobEnvironment
     from submitit.helpers import TorchDistributedEnvironment
 
+    os.environ.setdefault("MASTER_PORT", str(rendezvous_port(JobEnvironment().job_id)))  # an explicit one wins
     TorchDistributedEnvironment().export(set_cuda_visible_devices=False, overwrite=True)
     keys = ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE")
     return {key: os.environ[key] for key in keys}

@@ -38,6 +38,7 @@ import signal
 import sys
 import threading
 import time
+import traceback
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -422,4 +423,12 @@ def main(argv: list[str]) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    try:
+        main(sys.argv[1:])
+    except Exception:
+        # @record has written the error file. Die now, not after most of a second of interpreter
+        # teardown: the rank that raised must be the first to go, or a peer that loses its
+        # connection meanwhile dies first and is blamed as the root cause.
+        traceback.print_exc()
+        sys.stderr.flush()
+        os._exit(1)

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from harness.launch import LaunchGroup
-from harness.slurm import SlurmProfile, executor_parameters, job_shape, rendezvous_env
+from harness.slurm import SlurmProfile, executor_parameters, job_shape, rendezvous_env, rendezvous_port
 from harness.suites import SuiteError
 
 REPO = Path(__file__).resolve().parent.parent
@@ -208,3 +208,14 @@ def test_nodes_spread_the_ranks_and_one_rendezvous_spans_them(monkeypatch: pytes
     assert env["MASTER_ADDR"] == "gpu07"  # the first node: every task meets there
     assert (env["RANK"], env["WORLD_SIZE"], env["LOCAL_RANK"], env["LOCAL_WORLD_SIZE"]) == ("1", "2", "0", "1")
     assert env["MASTER_PORT"] == "29511"
+    monkeypatch.delenv("MASTER_PORT")
+    assert rendezvous_env()["MASTER_PORT"] == str(rendezvous_port("42"))  # the same on every task of job 42
+
+
+def test_rendezvous_ports_stay_below_the_ephemeral_range() -> None:
+    """Outgoing connections take their local ports from the ephemeral range; a job's MASTER_PORT
+    drawn there can be held by one, and rank 0's store then fails with EADDRINUSE."""
+    first_ephemeral = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    ports = [rendezvous_port(str(job)) for job in range(1, 2001)]
+    assert all(20000 <= port < first_ephemeral for port in ports)
+    assert len(set(ports)) > 1000  # spread, so that concurrent jobs rarely share one
