@@ -48,11 +48,6 @@ from harness.records import write_json_atomic
 from harness.report.html import write_ci_index
 from harness.report.junit import junit_testsuite, read_testsuites, write_merged_junit
 from harness.run import (
-    EXIT_FAIL,
-    EXIT_INCONCLUSIVE,
-    EXIT_INFRA,
-    EXIT_PASS,
-    EXIT_USAGE,
     REPORTS_DIR,
     RunOptions,
     UsageError,
@@ -61,6 +56,7 @@ from harness.run import (
     run_suite,
 )
 from harness.specs import SuiteSpec
+from harness.verdict import EXIT_FAIL, EXIT_INCONCLUSIVE, EXIT_INFRA, EXIT_PASS, EXIT_USAGE
 
 log = logging.getLogger("harness.ci")  # into the gate's logs/harness.log, beside every run's own lines
 

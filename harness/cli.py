@@ -27,9 +27,6 @@ from harness.ci import run_gate
 from harness.environment import CPU_ISAS, cuda_preflight, describe_environment
 from harness.golden import GOLDEN_MODES, GoldenError
 from harness.run import (
-    EXIT_INFRA,
-    EXIT_PASS,
-    EXIT_USAGE,
     GOLDEN_DIR,
     RunOptions,
     UsageError,
@@ -40,6 +37,7 @@ from harness.run import (
 from harness.shipped import inside_package
 from harness.slurm import collect_run, load_profile, submit_suite
 from harness.suites import SUITES_DIR, SuiteError, list_suites, load_suite
+from harness.verdict import EXIT_INFRA, EXIT_PASS, EXIT_USAGE
 
 
 def _add_run_arguments(

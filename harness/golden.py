@@ -19,7 +19,8 @@ import numpy as np
 import pandas as pd
 
 from harness.compare import CheckResult, Exact, Tier, compare_arms, compare_series, format_steps, tier_from_spec
-from harness.records import write_json_atomic
+from harness.records import remove_stale_temps, write_json_atomic
+from harness.shipped import SOURCE_ROOT, in_checkout
 
 # 2: the configuration a golden was recorded for (steps, arms) is part of the file, so a run of
 # another configuration is refused or reported by name, never silently compared.
@@ -220,10 +221,12 @@ def golden_from_metrics(
 
 
 def write_golden(path: Path, golden: Golden) -> None:
-    """Writes atomically, so a crash mid-update leaves the previous golden intact."""
+    """Writes atomically, so a crash mid-update leaves the previous golden intact; the temp file
+    such a crash left behind is removed by the next update (once it is stale, remove_stale_temps)."""
     path = Path(path)
     if path.stem != golden.env_key:
         raise ValueError(f"{path}: file name must be {golden.env_key}.json to match the golden's env_key")
+    remove_stale_temps(path)
     write_json_atomic(path, golden.to_dict())
 
 
@@ -329,6 +332,17 @@ def comparable_goldens(suite_dir: Path, key: str) -> list[Path]:
     return sorted(found, key=lambda p: (_key_parts(p.stem)[3] != torch_version, "-pinned-" not in p.stem + "-", p.stem))
 
 
+def shown_path(path: Path, root: Path) -> str:
+    """A golden's path as the console, summary.json and the report show it: relative to the checkout
+    or the working directory when under either, else to the golden root ``root``; never a home
+    directory or a temporary folder that means nothing to a reader of a CI log."""
+    path = Path(path).absolute()
+    for base in ([SOURCE_ROOT] if in_checkout() else []) + [Path.cwd(), Path(root).absolute()]:
+        if path.is_relative_to(base):
+            return path.relative_to(base).as_posix() or "."
+    return str(path)
+
+
 @dataclass
 class GoldenPlan:
     """What a run does with goldens, decided before launching so a bad golden costs no run (exit 2)."""
@@ -337,11 +351,37 @@ class GoldenPlan:
     path: Path  # this environment's golden: what update writes
     golden: Golden | None = None  # what check compares with, or what update replaces
     tier: dict | None = None  # check's tier: the golden's own, or the cross-environment tier
-    note: str | None = None  # one console line: what is compared and how, or why nothing is
+    note: str | None = None  # one console line before the run: what will be compared and how, or why nothing is
+    root: Path | None = None  # the golden root (--golden-dir) the paths are shown against
 
     @property
     def cross_env(self) -> bool:
         return self.golden is not None and self.golden.env_key != self.path.stem
+
+    @property
+    def compared(self) -> Path | None:
+        """The golden file a check compares with."""
+        return self.path.parent / f"{self.golden.env_key}.json" if self.golden and self.mode == "check" else None
+
+    def shown(self, path: Path) -> str:
+        return shown_path(path, self.root or path.parent.parent)
+
+    def outcome(self, checks: list[CheckResult]) -> str | None:
+        """The golden line after judging, None when nothing was compared: "golden: 6 of 6 checks match
+        golden/parity/<key>.json" or "golden: 2 of 6 checks differ from ...". Checks not evaluated
+        (an arm that never ran) are counted apart."""
+        if self.compared is None:
+            return None
+        judged = [c for c in checks if c.kind == "golden" and c.status in ("pass", "fail")]
+        differ = sum(c.status == "fail" for c in judged)
+        unjudged = sum(c.kind == "golden" for c in checks) - len(judged)
+        rest = f"; {unjudged} not evaluated" if unjudged else ""
+        where, how = self.shown(self.compared), tier_from_spec(self.tier).describe()
+        if not judged:
+            return f"golden: {unjudged} checks against {where} not evaluated" if unjudged else None
+        if differ:
+            return f"golden: {differ} of {len(judged)} checks differ from {where} ({how}){rest}"
+        return f"golden: {len(judged)} of {len(judged)} checks match {where} ({how}){rest}"
 
 
 def plan_golden(
@@ -355,22 +395,29 @@ def plan_golden(
     a run shorter than its golden compares its first steps, a longer one is another configuration.
     """
     path = golden_dir / suite / f"{key}.json"
+
+    def plan(mode: str, golden: Golden | None = None, tier: dict | None = None, note: str | None = None) -> GoldenPlan:
+        return GoldenPlan(mode, path, golden, tier, note, golden_dir)
+
+    def shown(where: Path) -> str:
+        return shown_path(where, golden_dir)
+
     if requested == "off":
-        return GoldenPlan("off", path, note="golden: not compared (--golden off)")
+        return plan("off", note="golden: not compared (--golden off)")
     if requested == "update":
         try:
             existing = _load_for(path, suite) if path.is_file() else None
         except GoldenError as e:
-            return GoldenPlan("update", path, note=f"replacing an unreadable golden: {e}")
-        return GoldenPlan("update", path, existing)
+            return plan("update", note=f"replacing an unreadable golden: {e}")
+        return plan("update", existing)
     source = path if path.is_file() else next(iter(comparable_goldens(golden_dir / suite, key)), None)
     if source is None:
         recorded = sorted(p.stem for p in (golden_dir / suite).glob("*.json"))
-        shown = f"recorded: {', '.join(recorded)}; none comparable" if recorded else "none recorded for this suite"
-        reason = f"no golden for env key {key} in {golden_dir / suite} ({shown})"
+        found = f"recorded: {', '.join(recorded)}; none comparable" if recorded else "none recorded for this suite"
+        reason = f"no golden for env key {key} in {shown(golden_dir / suite)} ({found})"
         if requested == "check":
             raise GoldenError(path, None, f"--golden check: {reason}; record one with: harness golden update {suite}")
-        return GoldenPlan("off", path, note=f"golden: not compared: {reason}")
+        return plan("off", note=f"golden: not compared: {reason}")
     golden = _load_for(source, suite)
     differences = config_differences({**golden.config, "steps": None}, {**config, "steps": None})
     if config["steps"] > golden.steps:
@@ -378,14 +425,14 @@ def plan_golden(
     if differences:
         if requested == "check":
             raise GoldenError(source, "config", f"recorded for another configuration: {'; '.join(differences)}")
-        return GoldenPlan(
-            "off", path, note=f"golden: not compared: {source} is for another configuration: {'; '.join(differences)}"
+        return plan(
+            "off", note=f"golden: not compared: {shown(source)} is for another configuration: {'; '.join(differences)}"
         )
     tier = golden.tier if source == path else tier_from_spec(cross_env_tier).spec()
     how = tier_from_spec(tier).describe()
-    where = f"{source}" if source == path else f"{source} (cross-environment: no golden for {key})"
+    where = shown(source) if source == path else f"{shown(source)} (cross-environment: no golden for {key})"
     prefix = f", its first {config['steps']} of {golden.steps} steps" if config["steps"] < golden.steps else ""
-    return GoldenPlan("check", path, golden, tier, f"golden: {where}{prefix}, {how}")
+    return plan("check", golden, tier, f"golden: will compare with {where}{prefix}, {how}")
 
 
 def _load_for(path: Path, suite: str) -> Golden:

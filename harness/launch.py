@@ -20,6 +20,7 @@ SIGINT and SIGTERM stay with the harness (cancel.py), not the agent.
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import select
@@ -39,15 +40,17 @@ from torch.distributed.elastic.multiprocessing.api import LogsDest, LogsSpecs
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
+from harness.records import QuietFileHandler
 from harness.specs import SuiteSpec
 from harness.triage import INFRASTRUCTURE, Verdict, classify, exception_line, oom_kills
-from harness.worker import AGENT_PID_ENV
+from harness.worker import AGENT_PID_ENV, release_error_room
 
 # Seconds the agent waits after SIGTERM before SIGKILL, once one rank has failed.
 SHUTDOWN_GRACE_S = 3
 # Seconds to wait for the stack dumps after SIGUSR1, before killing hung ranks.
 STACK_DUMP_WAIT_S = 3.0
 WATCH_INTERVAL_S = 0.2
+FULL_DISK = "No space left on device on the run directory's disk"
 _LOG_TAIL_LINES = 20
 
 
@@ -64,6 +67,10 @@ class LaunchGroup:
 
     def log(self, rank: int) -> str:
         return f"{self.log_dir}/rank{rank}.log"
+
+    def error_file(self, rank: int) -> str:
+        """Where the rank writes its traceback (TORCHELASTIC_ERROR_FILE), relative to the run directory."""
+        return f"{self.log_dir}/rank{rank}.error.json"
 
 
 def plan_launches(suite: SuiteSpec) -> list[LaunchGroup]:
@@ -132,9 +139,10 @@ class GroupLauncher(Protocol):
 class _RankLogs(LogsSpecs):
     """stdout and stderr of rank k into one file (the worker dup2s stderr onto stdout)."""
 
-    def __init__(self, log_dir: Path) -> None:
-        super().__init__(str(log_dir))
-        self._dir = log_dir
+    def __init__(self, run_dir: Path, group: LaunchGroup) -> None:
+        super().__init__(str(run_dir / group.log_dir))
+        self._run_dir, self._group = run_dir, group
+        self._dir = run_dir / group.log_dir
 
     @property
     def root_log_dir(self) -> str:
@@ -142,8 +150,8 @@ class _RankLogs(LogsSpecs):
 
     def reify(self, envs: dict[int, dict[str, str]]) -> LogsDest:
         self._dir.mkdir(parents=True, exist_ok=True)
-        logs = {k: str(self._dir / f"rank{k}.log") for k in envs}
-        errors = {k: str(self._dir / f"rank{k}.error.json") for k in envs}
+        logs = {k: str(self._run_dir / self._group.log(k)) for k in envs}
+        errors = {k: str(self._run_dir / self._group.error_file(k)) for k in envs}
         for k, env in envs.items():
             env["TORCHELASTIC_ERROR_FILE"] = errors[k]
         return LogsDest(stdouts=logs, stderrs=dict(logs), error_files=errors)
@@ -277,7 +285,7 @@ def _worker_environment(env: dict[str, str]) -> Iterator[None]:
 @contextmanager
 def _agent_logs_to(path: Path) -> Iterator[None]:
     """The elastic agent logs to the console; keep the console for the verdict."""
-    handler = logging.FileHandler(path)
+    handler = QuietFileHandler(path)
     handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
     loggers = [logging.getLogger(n) for n in ("torch.distributed.elastic", "torch.distributed.launcher")]
     saved = [(lg.propagate, lg.level) for lg in loggers]
@@ -320,7 +328,7 @@ def launch_group(
         run_id=f"harness-{uuid.uuid4().hex[:12]}",
         max_restarts=0,
         monitor_interval=0.1,
-        logs_specs=_RankLogs(log_dir),
+        logs_specs=_RankLogs(run_dir, group),
         local_addr="127.0.0.1",
         shutdown_timeout=SHUTDOWN_GRACE_S,
         signals_to_handle="SIGHUP,SIGQUIT",  # SIGINT and SIGTERM stay with the harness (cancel.py)
@@ -341,12 +349,13 @@ def launch_group(
     except ChildFailedError as e:
         failures = e.failures
     except Exception as e:  # rendezvous or spawn: the launch itself failed
-        launch_error = f"launch of group '{group.name}' failed: {type(e).__name__}: {e} (see logs/launcher.log)"
+        launch_error = _launch_error(run_dir, group, e)
     finally:
         watchdog.stop()
         for pid in worker_pids(os.getpid(), marker):  # a cancelled agent may leave ranks behind
             _signal_group(pid, signal.SIGKILL)
         exits.stop()
+        release_error_rooms(run_dir, group)
     tick()
     oom_during = (oom_kills() or 0) - (oom_before or 0)
     described = describe_failures(run_dir, group, failures, exits.died_at)
@@ -359,6 +368,55 @@ def launch_group(
         result.verdict = Verdict(INFRASTRUCTURE, "launch failure")
     result.headline, result.error = explain(result, timeout_s, launch_error, watchdog.dumped, watchdog.silent)
     return result
+
+
+def release_error_rooms(run_dir: Path, group: LaunchGroup) -> None:
+    """Frees the space the group's ranks claimed for error files they never wrote: a rank killed
+    before its end cannot free its own."""
+    for rank in range(group.ranks):
+        release_error_room(run_dir / group.error_file(rank))
+
+
+def _launch_error(run_dir: Path, group: LaunchGroup, error: Exception) -> str:
+    """Why a launch failed. The elastic agent itself raises on a rank's error file that torch cannot
+    read, one its rank could not finish writing (a full disk): then that rank and file are the
+    news, with the space left on the disk, not the JSON parser's complaint."""
+    files = [(rank, run_dir / group.error_file(rank)) for rank in range(group.ranks)]
+    unreadable = [(rank, path) for rank, path in files if path.is_file() and not _readable_error_file(path)]
+    if not unreadable:
+        return f"launch of group '{group.name}' failed: {type(error).__name__}: {error} (see logs/launcher.log)"
+    rank, path = unreadable[0]
+    state = "empty" if path.stat().st_size == 0 else "not one torch can read"
+    full = f"{FULL_DISK}; " if _disk_full(run_dir) else ""
+    return (
+        f"rank {rank} of group '{group.name}' failed, and its error file {group.error_file(rank)} is {state}"
+        f" ({full}log: {group.log(rank)})"
+    )
+
+
+def _disk_full(path: Path) -> bool:
+    """Whether the disk holding ``path`` has no space left: a rank there can write nothing, not even why it failed."""
+    try:
+        stat = os.statvfs(path)
+    except OSError:
+        return False
+    return stat.f_bavail == 0
+
+
+def _readable_error_file(path: Path) -> bool:
+    """Whether torch's reader of a rank's error file (ProcessFailure) takes it: it raises on one that is
+    empty or torn (its rank could not finish writing it) or of another format."""
+    try:
+        info = json.loads(path.read_text())["message"]["extraInfo"]
+        int(info["timestamp"])
+        return isinstance(info["py_callstack"], str)
+    except (OSError, ValueError, KeyError, TypeError, IndexError):
+        return False
+
+
+def process_failure(rank: int, pid: int, exitcode: int, error_file: Path) -> ProcessFailure:
+    """torch's record of a failed rank, which reads its error file: only a readable one, else none."""
+    return ProcessFailure(rank, pid, exitcode, str(error_file) if _readable_error_file(error_file) else "")
 
 
 def explain(
@@ -377,8 +435,9 @@ def explain(
     root = result.root
     if root is not None:
         how = result.verdict.reason if root.exitcode < 0 else f"{_ending(root.exitcode)}, {result.verdict.reason}"
-        headline = f"rank {root.rank} failed first ({how}): {root.message.strip().splitlines()[-1]}"
-        lines = [f"rank {root.rank} of group '{group.name}' failed first ({how}; log: {root.log}):"]
+        cause = root.message.strip().splitlines()[-1]
+        headline = f"rank {root.rank} failed first ({how}): {cause}"
+        lines = [f"rank {root.rank} of group '{group.name}' failed first ({how}; log: {root.log}): {cause}"]
         lines += ["    " + line for line in root.message.rstrip().splitlines()]
         others = [
             f"rank {f.rank} {_ending(f.exitcode)}" + (f" ({exception_line(f.traceback)[:160]})" if f.traceback else "")
@@ -402,12 +461,15 @@ def _ending(exitcode: int) -> str:
 def describe_failures(
     run_dir: Path, group: LaunchGroup, failures: dict[int, ProcessFailure], died_at: dict[int, float]
 ) -> list[RankFailure]:
-    """One entry per failed rank; the root cause is the one that died first."""
+    """One entry per failed rank; the root cause is the one that died first. A rank without a traceback
+    on a full disk could not write one: the full disk is its message, not its torn log."""
     described = []
+    full = bool(failures) and _disk_full(run_dir)
+    no_traceback = f"{FULL_DISK}: the rank could not write its traceback" if full else None
     for rank, failure in sorted(failures.items()):
         stack = failure.error_file_data.get("message", {})
         traceback = stack.get("extraInfo", {}).get("py_callstack") if isinstance(stack, dict) else None
-        message = traceback or _tail(run_dir / group.log(rank)) or _ending(failure.exitcode)
+        message = traceback or no_traceback or _tail(run_dir / group.log(rank)) or _ending(failure.exitcode)
         described.append(
             RankFailure(rank, failure.exitcode, message, group.log(rank), traceback, died_at.get(failure.pid))
         )

@@ -20,6 +20,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 PHASES_DIR = "phases"
+USUAL_CACHE_STATUSES = frozenset({"hit", "miss", "off"})  # a trace cache entry's status that needs no word
 
 
 def rank_phases_path(run_dir: Path, group: str, rank: int) -> Path:
@@ -90,7 +91,7 @@ def timeline(harness: list[dict], ranks: dict[str, dict[int, list[dict]]]) -> li
             continue
         group = phase["group"]
         per_rank = ranks.get(group, {})
-        if per_rank:
+        if any(per_rank.values()):  # ranks on a full disk may have recorded nothing
             cut("start processes", max(p[0]["start"] for p in per_rank.values() if p), group)
         for (name, arm), recorded in _aligned(per_rank):
             cut(name, max(r["end"] for r in recorded), group, arm, _graph_detail(recorded))
@@ -111,7 +112,26 @@ def _graph_detail(recorded: list[dict]) -> str:
     """How a traced arm's graph was built across the ranks: "cache hit on 2 ranks", "trace, cache miss on 2 ranks"."""
     builds = Counter(
         f"{g['origin']}, cache {g['cache']}" if g["origin"] == "trace" else f"cache {g['cache']}"
-        for r in recorded
-        if (g := (r.get("detail") or {}).get("graph"))
+        for g in _graph_builds(recorded)
     )
     return "; ".join(f"{how} on {n} rank{'s' * (n > 1)}" for how, n in builds.items())
+
+
+def cache_notes(ranks: dict[str, dict[int, list[dict]]]) -> list[str]:
+    """One line for each way the ranks' trace cache entries went wrong (refused, unreadable, unwritable:
+    the status says why), naming the entries: a run that passes all the same must not keep it quiet."""
+    entries: dict[str, set[str]] = {}
+    for per_rank in ranks.values():
+        for recorded in per_rank.values():
+            for build in _graph_builds(recorded):
+                if build["cache"] not in USUAL_CACHE_STATUSES:
+                    entries.setdefault(build["cache"], set()).add(build["entry"])
+    return [
+        f"trace cache {'entry' if len(paths) == 1 else 'entries'} {', '.join(sorted(paths))}: {status}; traced instead"
+        for status, paths in entries.items()
+    ]
+
+
+def _graph_builds(recorded: list[dict]) -> Iterator[dict]:
+    """The graph builds (GraphStep.build) among phase records: a traced arm's build phase carries one."""
+    return (g for r in recorded if (g := (r.get("detail") or {}).get("graph")))

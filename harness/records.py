@@ -7,9 +7,14 @@ a double bit-for-bit; exact comparisons depend on that. NaN and Infinity use jso
 
 from __future__ import annotations
 
+import glob
 import json
+import logging
 import os
 import tempfile
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager, suppress
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import TracebackType
@@ -19,6 +24,8 @@ if TYPE_CHECKING:
     import pandas as pd
 
 METRIC_COLUMNS = ("loss", "grad_norm", "tokens", "step_time_s")
+# A write_json_atomic temp file older than this is a killed write's leftover, not a writer's work in progress.
+STALE_TEMP_S = 60.0
 
 
 class RecordError(Exception):
@@ -28,6 +35,30 @@ class RecordError(Exception):
         self.path, self.line_no, self.msg = Path(path), line_no, msg
         where = f"{self.path}:{line_no}" if line_no is not None else f"{self.path}"
         super().__init__(f"{where}: {msg}")
+
+
+@contextmanager
+def naming_file(path: Path | str) -> Iterator[None]:
+    """Adds ``path`` to an OSError raised while writing it: a failed write or flush (ENOSPC on a full
+    disk) names no file, and the file is what the user must look at."""
+    try:
+        yield
+    except OSError as e:
+        if e.filename is None:
+            e.filename = str(path)
+        raise
+
+
+class QuietFileHandler(logging.FileHandler):
+    """A log file that, when it cannot be written (a full disk), says nothing and raises nothing:
+    logging's own report would print a traceback on the console, above the error that matters."""
+
+    def handleError(self, record: logging.LogRecord) -> None:
+        pass
+
+    def close(self) -> None:
+        with suppress(OSError):  # its last flush
+            super().close()
 
 
 class JsonlWriter:
@@ -40,11 +71,13 @@ class JsonlWriter:
 
     def write(self, record: dict) -> None:
         # One write call per line: a crash can only truncate the final line, never interleave.
-        self._file.write(json.dumps(record, allow_nan=True) + "\n")
-        self._file.flush()
+        with naming_file(self.path):
+            self._file.write(json.dumps(record, allow_nan=True) + "\n")
+            self._file.flush()
 
     def close(self) -> None:
-        self._file.close()
+        with naming_file(self.path):
+            self._file.close()
 
     def __enter__(self) -> JsonlWriter:
         return self
@@ -117,7 +150,7 @@ def write_json_atomic(path: Path, obj: Any) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
+        with naming_file(path), os.fdopen(fd, "w", encoding="utf-8") as f:
             json.dump(obj, f, indent=2, allow_nan=True)
             f.write("\n")
             f.flush()
@@ -126,6 +159,18 @@ def write_json_atomic(path: Path, obj: Any) -> None:
     except BaseException:
         os.unlink(tmp)
         raise
+
+
+def remove_stale_temps(path: Path, older_than_s: float = STALE_TEMP_S) -> None:
+    """Deletes the temp files that writes of ``path`` killed mid-write left (write_json_atomic's
+    ``.<name>.<random>.tmp``), which nothing else would ever remove. Only those older than
+    ``older_than_s``: a younger one may be a concurrent writer's, still being written."""
+    path = Path(path)
+    cutoff = time.time() - older_than_s
+    for temp in path.parent.glob(f".{glob.escape(path.name)}.*.tmp"):
+        with suppress(FileNotFoundError):  # its writer renamed it into place meanwhile
+            if temp.stat().st_mtime < cutoff:
+                temp.unlink()
 
 
 @dataclass

@@ -46,24 +46,41 @@ from harness.golden import (
     write_golden,
 )
 from harness.launch import GroupLauncher, LaunchGroup, LaunchResult, launch_group, plan_launches
-from harness.phases import PhaseLog, read_rank_phases, timeline
+from harness.phases import PhaseLog, cache_notes, read_rank_phases, timeline
 from harness.progress import BlockProgress, Progress
-from harness.records import ArmRecords, RecordError, read_arm, read_metrics, write_json_atomic
+from harness.records import (
+    ArmRecords,
+    QuietFileHandler,
+    RecordError,
+    naming_file,
+    read_arm,
+    read_metrics,
+    write_json_atomic,
+)
+from harness.reference.chunking.trace_cache import TraceCacheError, open_cache
 from harness.report import format_verdict_table, read_throughput, write_html, write_junit
 from harness.report.figures import import_in_background
 from harness.shipped import shipped_dir
 from harness.specs import SuiteSpec
 from harness.throughput import judge_throughput, plan_throughput_launches
 from harness.triage import REGRESSION
+from harness.verdict import (
+    EXIT_FAIL,
+    EXIT_INFRA,
+    EXIT_PASS,
+    apply_expectations,
+    mark_not_evaluated,
+    status_counts,
+    unrun_arms,
+    verdict_of,
+)
 
-EXIT_PASS, EXIT_FAIL, EXIT_USAGE, EXIT_INFRA, EXIT_INCONCLUSIVE = 0, 1, 2, 3, 4
 # Run directories go under ./reports of the working directory: never into an installed package.
 REPORTS_DIR = Path("reports")
 TRACE_ENV = "HARNESS_TRACE_CACHE"
 # The shipped goldens; HARNESS_GOLDEN_DIR moves the default golden root (a CI cache, a test's empty directory).
 GOLDEN_DIR = Path(os.environ.get("HARNESS_GOLDEN_DIR", shipped_dir("golden")))
 log = logging.getLogger("harness")
-STATUSES = ("pass", "fail", "error", "skip", "inconclusive")
 
 
 class UsageError(Exception):
@@ -99,6 +116,19 @@ def trace_cache_dir(flag: str | None) -> Path | None:
     if path.exists() and not path.is_dir():
         raise UsageError(f"{source} {value}: exists and is not a directory")
     return path
+
+
+def usable_trace_cache(path: Path | None) -> tuple[Path | None, str | None]:
+    """The trace cache the ranks may use (None: off), and the line saying why not when its folder or the
+    user's key is not safe to use (reference/chunking/trace_cache.py): the run then traces, and is
+    judged on its merits."""
+    if path is None:
+        return None, None
+    try:
+        open_cache(path)
+    except TraceCacheError as error:
+        return None, f"trace cache {error.path}: not used: {error.why}; tracing instead"
+    return path, None
 
 
 def suite_dtype(suite: SuiteSpec) -> str:
@@ -156,7 +186,7 @@ def make_run_dir(suite: SuiteSpec, out: Path | None) -> Path:
 def harness_log(run_dir: Path) -> Iterator[Path]:
     """The harness's own log for one run, logs/harness.log: decisions, and every traceback."""
     path = run_dir / "logs" / "harness.log"
-    handler = logging.FileHandler(path)
+    handler = QuietFileHandler(path)
     handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(message)s"))
     log.addHandler(handler)
     log.setLevel(logging.INFO)
@@ -168,17 +198,6 @@ def harness_log(run_dir: Path) -> Iterator[Path]:
 
 
 # --- the run -------------------------------------------------------------------------------
-
-
-def verdict_of(checks: list[CheckResult]) -> tuple[str, int]:
-    statuses = {c.status for c in checks}
-    if "error" in statuses:
-        return "error", EXIT_INFRA
-    if "fail" in statuses:
-        return "fail", EXIT_FAIL
-    if "inconclusive" in statuses:
-        return "inconclusive", EXIT_INCONCLUSIVE
-    return "pass", EXIT_PASS
 
 
 def build_manifest(
@@ -198,20 +217,34 @@ def build_manifest(
         "env_key": key,
         "golden_config": golden_config(suite),
         "launches": [dataclasses.asdict(g) for g in groups],
-        "golden": _golden_summary(golden),
+        "golden": _golden_record(golden),
         "timeout_s": options.timeout_s,
         "trace_cache": str(options.trace_cache) if options.trace_cache else None,
     }
 
 
-def _golden_summary(golden: GoldenPlan) -> dict:
-    compared = str(golden.path.parent / f"{golden.golden.env_key}.json") if golden.golden else None
+def _golden_record(golden: GoldenPlan) -> dict:
+    """manifest.json's ``golden``: the plan with absolute paths, as ``harness collect`` reloads it."""
     return {
         "mode": golden.mode,
         "path": str(golden.path),
-        "compared": compared,
+        "compared": str(golden.compared) if golden.compared else None,
+        "root": str(golden.root) if golden.root else None,
         "tier": golden.tier,
         "note": golden.note,
+    }
+
+
+def _golden_summary(golden: GoldenPlan, checks: list[CheckResult]) -> dict:
+    """summary.json's ``golden``: the plan announced before the run and the outcome judged after it,
+    with paths relative to the checkout or the golden root."""
+    return {
+        "mode": golden.mode,
+        "path": golden.shown(golden.path),
+        "compared": golden.shown(golden.compared) if golden.compared else None,
+        "tier": golden.tier,
+        "plan": golden.note,
+        "outcome": golden.outcome(checks),
     }
 
 
@@ -289,22 +322,25 @@ def record_checks(
 
 def collect_checks(
     suite: SuiteSpec,
+    groups: list[LaunchGroup],
     launches: list[LaunchResult],
     records: dict[str, ArmRecords],
     golden: GoldenPlan,
     pin: CpuPin | None,
 ) -> list[CheckResult]:
     """Rank failures first, then the records, the suite's checks and the golden's, all on whatever
-    the arms recorded: a check never passes on steps that did not run."""
-    checks = launch_checks(launches)
-    checks += record_checks(suite, records, pin, crashed=bool(checks))
+    the arms recorded: a check never passes on steps that did not run, and a check of an arm that a
+    failed launch never ran is not evaluated (verdict.py)."""
+    failures = launch_checks(launches)
+    checks = record_checks(suite, records, pin, crashed=bool(failures))
     for check in suite.checks:
         checks += run_check(check, suite, records)
     if golden.mode == "check":
         checks += golden_checks(golden, {arm: rec.metrics for arm, rec in records.items()}, suite.steps)
     elif golden.mode == "off":
         checks.append(CheckResult("golden", "golden", "skip", golden.note or "not compared"))
-    return checks
+    checks = mark_not_evaluated(checks, unrun_arms(suite, groups, launches, records))
+    return [*failures, *apply_expectations(suite, checks)]
 
 
 def update_golden(plan: GoldenPlan, suite: SuiteSpec, manifest: dict, metrics: dict[str, pd.DataFrame]) -> str:
@@ -328,7 +364,7 @@ def update_golden(plan: GoldenPlan, suite: SuiteSpec, manifest: dict, metrics: d
         suite.golden_metrics,
     )
     write_golden(plan.path, new)
-    return "\n".join(filter(None, [plan.note, diff_summary(plan.golden, new), f"wrote {plan.path}"]))
+    return "\n".join(filter(None, [plan.note, diff_summary(plan.golden, new), f"wrote {plan.shown(plan.path)}"]))
 
 
 def cancelled_check(cancelled: Cancelled, elapsed_s: float) -> CheckResult:
@@ -377,7 +413,7 @@ def execute(
             if suite.throughput:
                 return None, records, [*launch_checks(launches), judge_throughput(suite, run_dir, groups)]
             records = {arm: read_arm(run_dir, arm, suite.arms[arm].ep) for arm in suite.arms}
-            return None, records, collect_checks(suite, launches, records, golden, pin)
+            return None, records, collect_checks(suite, groups, launches, records, golden, pin)
     except Cancelled as c:
         return c, records, [cancelled_check(c, time.monotonic() - start)]
     except Exception as e:
@@ -432,10 +468,12 @@ def prepare_run(
         golden = dataclasses.replace(golden, note=None)  # nothing to say: step times have no golden
     run_dir = make_run_dir(suite, options.out)
     with harness_log(run_dir), Cancellation():
+        trace_cache, cache_note = usable_trace_cache(options.trace_cache)
+        options = dataclasses.replace(options, trace_cache=trace_cache)
         groups = plan_groups(suite)
         manifest = build_manifest(suite, options, key, pin, golden, groups)
         write_json_atomic(run_dir / "manifest.json", manifest)
-        for line in filter(None, [pin.note if pin else None, golden.note]):
+        for line in filter(None, [pin.note if pin else None, golden.note, cache_note]):
             print(line, file=out)
             log.info(line)
     phases = PhaseLog()
@@ -461,7 +499,8 @@ def read_prepared(run_dir: Path, suite: SuiteSpec, options: RunOptions) -> Prepa
         )
     compared = golden["compared"]
     recorded_golden = load_golden(Path(compared)) if compared else None
-    plan = GoldenPlan(golden["mode"], Path(golden["path"]), recorded_golden, golden["tier"], golden["note"])
+    root = Path(golden["root"]) if golden["root"] else None
+    plan = GoldenPlan(golden["mode"], Path(golden["path"]), recorded_golden, golden["tier"], golden["note"], root)
     pin = CpuPin(**manifest["cpu_isa"]) if manifest["cpu_isa"] else None
     options = dataclasses.replace(options, device=manifest["device"], command=tuple(manifest["command"]))
     phases = PhaseLog()
@@ -503,6 +542,9 @@ def judge_run(run: PreparedRun, launch: GroupLauncher, out: TextIO = sys.stdout,
             options.verbose,
             launch,
         )
+        for line in cache_notes({group.name: read_rank_phases(run_dir, group.name) for group in run.groups}):
+            print(line, file=out)
+            log.info(line)
         if not suite.throughput:
             records = records or {arm: read_arm(run_dir, arm, suite.arms[arm].ep) for arm in suite.arms}
         verdict, exit_code = ("cancelled", cancelled.exit_code) if cancelled else verdict_of(checks)
@@ -510,14 +552,15 @@ def judge_run(run: PreparedRun, launch: GroupLauncher, out: TextIO = sys.stdout,
             suite, verdict, exit_code, time.monotonic() - start, run.key, golden, launches, records, checks
         )
         metrics = {arm: rec.metrics for arm, rec in records.items() if rec.steps_done()}
-        news = None
+        news = summary["golden"]["outcome"]
         if golden.mode == "update":
-            news = f"not updating {golden.path}: the run did not pass"
+            news = f"not updating {golden.shown(golden.path)}: the run did not pass"
             try:
                 news = update_golden(golden, suite, run.manifest, metrics) if exit_code == EXIT_PASS else news
             except Cancelled as c:  # the golden is replaced atomically: the old one stays
                 mark_cancelled(summary, c)
-                news = f"not updating {golden.path}: {c}"
+                news = f"not updating {golden.shown(golden.path)}: {c}"
+            summary["golden"]["outcome"] = news.splitlines()[-1]
         exit_code = finish(
             run_dir, summary, run.manifest, metrics, golden.golden if golden.mode == "check" else None, err, run.phases
         )
@@ -554,7 +597,7 @@ def build_summary(
         },
         "duration_s": round(duration_s, 3),
         "env_key": key,
-        "golden": _golden_summary(golden),
+        "golden": _golden_summary(golden, checks),
         "launches": [
             {
                 "group": r.group.name,
@@ -568,7 +611,7 @@ def build_summary(
             for r in launches
         ],
         "error": "\n".join(r.error for r in launches if r.error) or None,
-        "counts": {s: sum(c.status == s for c in checks) for s in STATUSES},
+        "counts": status_counts([c.to_dict() for c in checks]),
         "checks": [c.to_dict() for c in checks],
         "throughput": next((c.extra["throughput"] for c in checks if c.kind == "throughput"), None),
     }
@@ -646,15 +689,17 @@ def write_reports(
     throughput: pd.DataFrame | None,
 ) -> None:
     """junit.xml, then report.html (the slow one), from a run's summary and records."""
-    write_junit(run_dir / "junit.xml", summary)
-    write_html(
-        run_dir / "report.html",
-        summary,
-        metrics,
-        golden=golden_frames(golden),
-        manifest=manifest,
-        throughput=throughput,
-    )
+    with naming_file(run_dir / "junit.xml"):
+        write_junit(run_dir / "junit.xml", summary)
+    with naming_file(run_dir / "report.html"):
+        write_html(
+            run_dir / "report.html",
+            summary,
+            metrics,
+            golden=golden_frames(golden),
+            manifest=manifest,
+            throughput=throughput,
+        )
 
 
 def golden_frames(golden: Golden | None) -> dict[str, pd.DataFrame] | None:
@@ -674,12 +719,8 @@ def rerender(run_dir: Path, out: TextIO = sys.stdout) -> int:
             for arm in manifest["suite"]["arms"]
             if (run_dir / "arms" / arm / "metrics.jsonl").is_file()
         }
-        compared = summary["golden"].get("compared")
-        golden = (
-            load_golden(Path(compared))
-            if summary["golden"]["mode"] == "check" and compared and os.path.isfile(compared)
-            else None
-        )
+        compared = manifest["golden"].get("compared")
+        golden = load_golden(Path(compared)) if compared and os.path.isfile(compared) else None
         throughput = read_throughput(run_dir)
     except (OSError, ValueError, KeyError, TypeError, RecordError, GoldenError) as e:
         raise UsageError(f"{run_dir}: not a readable run directory: {e}") from None

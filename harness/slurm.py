@@ -7,15 +7,19 @@ torch.distributed's environment from Slurm's (``submitit.helpers.TorchDistribute
 MASTER_ADDR is the first node of the job's node list, RANK the task's global rank), so one
 rendezvous spans every node, and runs the same worker as a local launch,
 ``python -m harness.worker RUN_DIR GROUP``, its output in the same ``logs/rank<k>.log`` and its
-traceback in the same ``rank<k>.error.json``. A task returns how its worker ended.
+traceback in the same ``rank<k>.error.json``. A task writes how its worker ended, or its own
+traceback if it raised, to ``slurm/<job>_<task>_result.json``.
 
-The job files (submission script, submitit's logs and results) and ``jobs.json`` live in the
-run directory's ``slurm/``. The submitting process, or ``harness collect`` later, watches each job
-itself (``JobWatch``) and hands how it ended to the judging every run shares (``run.judge_run``).
-Without Slurm accounting ``sacct`` fails and ``job.results()`` waits forever for a job that died
-without a result, so the watch polls ``squeue`` and the job's result files:
+The job files (submission script, submitit's logs and results, the tasks' JSON results) and
+``jobs.json`` live in the run directory's ``slurm/``. The submitting process, or ``harness collect``
+later, watches each job itself (``JobWatch``) and hands how it ended to the judging every run
+shares (``run.judge_run``). Without Slurm accounting ``sacct`` fails and ``job.results()`` waits
+forever for a job that died without a result, so the watch polls ``squeue`` and the tasks' JSON
+results; it never unpickles submitit's ``*_result.pkl``: the run directory is on a shared
+filesystem others may write, and loading a pickle runs whatever it holds.
 
 - every task's result is in: the group ran; a failed rank is judged as locally (triage.py);
+  a result that is missing or does not read as one is no result;
 - a rank failed: its peers get a moment to fail on their own, then the job is cancelled, as the
   elastic agent tears down a group locally;
 - the job was cancelled, timed out, OOM-killed, preempted or lost its node, or it left the queue
@@ -45,12 +49,11 @@ import subprocess
 import sys
 import time
 import tomllib
+import traceback
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TextIO
-
-from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
 
 from harness.launch import (
     SHUTDOWN_GRACE_S,
@@ -62,6 +65,8 @@ from harness.launch import (
     describe_failures,
     explain,
     has_stack,
+    process_failure,
+    release_error_rooms,
 )
 from harness.records import write_json_atomic
 from harness.run import (
@@ -78,7 +83,7 @@ from harness.shipped import shipped_dir
 from harness.specs import SuiteSpec
 from harness.suites import SuiteError, display_path, field_reader, load_suite
 from harness.triage import INFRASTRUCTURE, Verdict, classify
-from harness.worker import AGENT_PID_ENV
+from harness.worker import AGENT_PID_ENV, release_error_room
 
 PROFILES_DIR = shipped_dir("slurm")
 PROFILE_KEYS = (
@@ -97,6 +102,16 @@ PROFILE_KEYS = (
 _ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*\Z")
 JOB_DIR = "slurm"  # in the run directory: submitit's files and jobs.json
 JOBS_FILE = "jobs.json"
+RESULT_FILE = "result.json"  # a task's outcome, beside submitit's result.pkl: <job>_<task>_result.json
+# A task's result, field -> type; "rank" and "exitcode" always, the rest where known.
+_RESULT_FIELDS: dict[str, type | tuple[type, ...]] = {
+    "rank": int,
+    "exitcode": int,
+    "pid": int,
+    "died_at": (int, float),
+    "host": str,
+    "traceback": str,  # the task itself raised, outside its worker
+}
 # squeue states (%T) of a job that ended without finishing its work.
 LOST_STATES = frozenset(
     {"BOOT_FAIL", "CANCELLED", "DEADLINE", "FAILED", "NODE_FAIL", "OUT_OF_MEMORY", "PREEMPTED", "TIMEOUT"}
@@ -260,8 +275,13 @@ class SlurmJob:
         return self.nodes * self.tasks_per_node
 
     def file(self, run_dir: Path, suffix: str, task: int = 0) -> Path:
-        """One of submitit's files for task ``task``: ``log.err``, ``log.out``, ``result.pkl``."""
-        return run_dir / JOB_DIR / f"{self.job_id}_{task}_{suffix}"
+        return job_file(run_dir, self.job_id, task, suffix)
+
+
+def job_file(run_dir: Path, job_id: str, task: int, suffix: str) -> Path:
+    """One of a job's files for task ``task``: submitit's ``log.err``, ``log.out``, ``result.pkl``, or
+    the task's own ``result.json``."""
+    return run_dir / JOB_DIR / f"{job_id}_{task}_{suffix}"
 
 
 def require_slurm() -> None:
@@ -355,32 +375,44 @@ def rendezvous_env() -> dict[str, str]:
 def run_task(run_dir: str, group_name: str, env: dict[str, str]) -> dict[str, Any]:
     """One task of a group's job: rank RANK of the group, run by the same worker as a local launch.
 
-    Returns how the worker ended; its output goes to the group's ``rank<k>.log`` and a traceback to
-    ``rank<k>.error.json``, as under the elastic agent. The task ignores SIGUSR1, the stack dump
-    the watch sends to every process of the job at --timeout.
+    Writes how the worker ended to the task's ``result.json`` (atomically), and returns it; if the task
+    itself raised, the result holds its traceback instead. The watch reads that JSON: submitit's
+    result pickle is never loaded outside the job.
     """
+    from submitit import JobEnvironment
+
+    job = JobEnvironment()
+    result_path = job_file(Path(run_dir), job.job_id, job.global_rank, RESULT_FILE)
+    result_path.unlink(missing_ok=True)  # a requeued job starts clean
+    try:
+        result = _run_worker(run_dir, group_name, env)
+    except Exception:
+        write_json_atomic(result_path, {"rank": job.global_rank, "exitcode": 1, "traceback": traceback.format_exc()})
+        raise
+    write_json_atomic(result_path, result)
+    return result
+
+
+def _run_worker(run_dir: str, group_name: str, env: dict[str, str]) -> dict[str, Any]:
+    """The worker of this task's rank, to its end; its output goes to the group's ``rank<k>.log`` and a
+    traceback to ``rank<k>.error.json``, as under the elastic agent. The task ignores SIGUSR1, the
+    stack dump the watch sends to every process of the job at --timeout."""
     rendezvous = rendezvous_env()
     rank = int(rendezvous["RANK"])
     manifest = json.loads((Path(run_dir) / "manifest.json").read_text())
     group = LaunchGroup(**next(g for g in manifest["launches"] if g["name"] == group_name))
     log = Path(run_dir) / group.log(rank)
     log.parent.mkdir(parents=True, exist_ok=True)
-    error_file = log.with_name(f"rank{rank}.error.json")
-    error_file.unlink(missing_ok=True)  # a requeued job starts clean
-    worker_env = {**os.environ, **env, AGENT_PID_ENV: str(os.getpid()), "TORCHELASTIC_ERROR_FILE": str(error_file)}
+    errors = Path(run_dir) / group.error_file(rank)
+    errors.unlink(missing_ok=True)  # a requeued job starts clean
+    worker_env = {**os.environ, **env, AGENT_PID_ENV: str(os.getpid()), "TORCHELASTIC_ERROR_FILE": str(errors)}
     signal.signal(signal.SIGUSR1, signal.SIG_IGN)  # the worker installs its own stack-dump handler
     with log.open("ab") as out:
         command = [sys.executable, "-m", "harness.worker", run_dir, group_name]
         worker = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env=worker_env)
     exitcode = worker.wait()
-    return {
-        "rank": rank,
-        "pid": worker.pid,
-        "exitcode": exitcode,
-        "died_at": time.time(),
-        "host": socket.gethostname(),
-        "error_file": str(error_file),
-    }
+    release_error_room(errors)
+    return {"rank": rank, "pid": worker.pid, "exitcode": exitcode, "died_at": time.time(), "host": socket.gethostname()}
 
 
 # --- watching the jobs ---------------------------------------------------------------------
@@ -399,18 +431,34 @@ def squeue_state(job_id: str) -> tuple[str | None, str | None]:
 
 
 def read_results(run_dir: Path, job: SlurmJob) -> dict[int, dict[str, Any]]:
-    """Task -> its outcome, for the tasks whose result file is there. A task that raised itself
-    (outside the worker) has ``{"traceback": ...}``."""
-    import submitit.core.utils
-
+    """Task -> its outcome (the JSON run_task wrote), for the tasks whose result reads as one; a
+    missing, torn or malformed result is no result. A task that raised itself (outside the worker)
+    has ``{"traceback": ...}``. Only JSON is read: loading submitit's pickles would run their payload."""
     results = {}
     for task in range(job.tasks):
-        path = job.file(run_dir, "result.pkl", task)
-        if not path.is_file():
-            continue
-        status, value = submitit.core.utils.pickle_load(path)
-        results[task] = value if status == "success" else {"rank": task, "exitcode": 1, "traceback": value}
+        result = _read_result(job.file(run_dir, RESULT_FILE, task))
+        if _is_result(result, task):
+            results[task] = result
     return results
+
+
+def _read_result(path: Path) -> Any:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def _is_result(result: Any, task: int) -> bool:
+    """Whether ``result`` is task ``task``'s outcome as run_task writes it: its rank, an exit code, and
+    fields of the types the watch reads."""
+    if not isinstance(result, dict) or result.get("rank") != task or "exitcode" not in result:
+        return False
+    return all(
+        isinstance(result[key], kind) and not isinstance(result[key], bool)
+        for key, kind in _RESULT_FIELDS.items()
+        if key in result
+    )
 
 
 def stepd_state(stderr: str) -> str | None:
@@ -468,6 +516,7 @@ class JobWatch:
         start = time.monotonic()
         watched = self._watch(run_dir, group, job, tick)
         self.finished.add(job.job_id)
+        release_error_rooms(run_dir, group)
         if watched.running_since is not None:
             self.budget_s -= time.monotonic() - watched.running_since
         tick()
@@ -564,13 +613,13 @@ def _final_state(watched: _Watched, stderr: str, missing: list[int]) -> str | No
 def _rank_failures(run_dir: Path, group: LaunchGroup, results: dict[int, dict[str, Any]]) -> list[RankFailure]:
     """The failed ranks among the tasks' results, described as launch.py describes a local group's."""
     failures = {
-        r["rank"]: ProcessFailure(r["rank"], r.get("pid", 0), r["exitcode"], r.get("error_file", ""))
+        r["rank"]: process_failure(r["rank"], r.get("pid", 0), r["exitcode"], run_dir / group.error_file(r["rank"]))
         for r in results.values()
         if r["exitcode"] != 0
     }
     died_at = {r.get("pid", 0): r["died_at"] for r in results.values() if "died_at" in r}
     described = describe_failures(run_dir, group, failures, died_at)
-    for failure in described:  # a task that raised itself, outside its worker: submitit kept the traceback
+    for failure in described:  # a task that raised itself, outside its worker: its result has the traceback
         raised = next((r.get("traceback") for r in results.values() if r["rank"] == failure.rank), None)
         if raised:
             failure.traceback = failure.message = raised

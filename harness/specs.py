@@ -135,6 +135,8 @@ class SuiteSpec:
     golden_cross_env: dict[str, Any]
     debug: DebugSpec
     throughput: ThroughputSpec | None = None  # set: a throughput run, judged by its ABBA gate
+    expect: str = "pass"  # "fail": a negative suite, which passes when exactly ``expected_failures`` fail
+    expected_failures: tuple[str, ...] = ()  # the check results (by name) a negative suite must fail
 
     def to_dict(self) -> dict[str, Any]:
         """The resolved suite as manifest.json records it (and the workers read it)."""
@@ -153,4 +155,6 @@ class SuiteSpec:
             },
             "debug": dataclasses.asdict(self.debug),
             "throughput": dataclasses.asdict(self.throughput) if self.throughput else None,
+            "expect": self.expect,
+            "expected_failures": list(self.expected_failures),
         }

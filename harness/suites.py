@@ -89,7 +89,8 @@ _MODEL_POSITIVE = {name for name, kind in _MODEL_FIELDS.items() if kind is int a
     "rope_beta_slow",
 }
 _TOP_KEYS = (
-    "name", "description", "ranks", "steps", "model", "train", "arms", "checks", "golden", "debug", "throughput"
+    "name", "description", "ranks", "steps", "model", "train", "arms", "checks", "golden", "debug", "throughput",
+    "expect", "expected_failures",
 )  # fmt: skip
 _TABLES = ("model", "train", "golden", "debug", "throughput")
 
@@ -342,6 +343,7 @@ class _Validator:
                 raise self.error(f"checks.{i}.name", f"duplicate check name {_show(c.name)}")
         golden_tier, golden_metrics, cross_env = self.golden(raw.get("golden", {}))
         debug = self.debug(raw.get("debug", {}), arms, steps)
+        expect, expected_failures = self.expectation(raw, throughput)
         return SuiteSpec(
             name,
             description,
@@ -355,7 +357,28 @@ class _Validator:
             cross_env,
             debug,
             throughput,
+            expect,
+            expected_failures,
         )
+
+    def expectation(self, raw: dict, throughput: ThroughputSpec | None) -> tuple[str, tuple[str, ...]]:
+        """``expect`` ("pass" or "fail") and, for a negative suite, ``expected_failures``: the names of
+        the check results that must fail, as the console and summary.json name them ("<arm>: <check>",
+        "<a> vs <b>: loss"); a name no check produces fails the run. Without the list, "fail" would
+        accept any failure."""
+        expect = self.str_(raw.get("expect", "pass"), "expect", ("pass", "fail"))
+        if expect == "pass":
+            if "expected_failures" in raw:
+                raise self.error("expected_failures", 'only a suite with expect = "fail" lists expected failures')
+            return expect, ()
+        if throughput is not None:
+            raise self.error("expect", "a throughput run is judged by its gate alone: it cannot expect to fail")
+        if "expected_failures" not in raw:
+            raise self.error("expected_failures", 'missing: expect = "fail" needs the checks that must fail')
+        names = raw["expected_failures"]
+        if not isinstance(names, list) or not names or not all(isinstance(n, str) for n in names):
+            raise self.error("expected_failures", f"expected a non-empty list of check names, got {_show(names)}")
+        return expect, tuple(names)
 
     def throughput(self, raw: Any, arms: dict[str, ArmSpec]) -> ThroughputSpec:
         """[throughput]: arms ``a`` and ``b`` (the same arm measures it against a copy of itself),

@@ -42,6 +42,7 @@ FLAKE_PATTERNS: tuple[tuple[str, re.Pattern[str]], ...] = (
     ),
     ("out of memory", re.compile(r"out of memory|OutOfMemoryError|Cannot allocate memory|bad_alloc")),
     ("device", re.compile(r"CUDA error|CUDA driver|cudaError|ECC error|device-side assert")),
+    ("full disk", re.compile(r"No space left on device|Disk quota exceeded|ENOSPC|EDQUOT")),
 )
 
 _FRAME = re.compile(r'^\s*File "([^"]+)", line \d+, in ', re.MULTILINE)

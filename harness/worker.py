@@ -21,6 +21,10 @@ also streams ``arms/<arm>/fidelity.jsonl`` (process rank 0).
 A throughput run's group lists block positions instead (:mod:`harness.throughput`): the rank
 builds each copy of an arm once, records nothing of the training, and times the positions in
 order into ``throughput.jsonl`` (:func:`measure_throughput`).
+
+A rank that raises writes its traceback to its error file (TORCHELASTIC_ERROR_FILE) in room it
+claimed when it started (:class:`ErrorFileInRoom`), so a full disk, which fails the rank, still
+gets the rank's own error (ENOSPC, naming the file it was writing) reported.
 """
 
 from __future__ import annotations
@@ -29,7 +33,9 @@ import collections
 import contextlib
 import ctypes
 import ctypes.util
+import errno
 import faulthandler
+import functools
 import gc
 import json
 import os
@@ -45,7 +51,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
-from torch.distributed.elastic.multiprocessing.errors import record
+from torch.distributed.elastic.multiprocessing.errors import ErrorHandler, record
 
 import harness
 from harness.digests import HASH_EVERY, digest_all, final_weights, parameters_hash
@@ -69,6 +75,70 @@ AGENT_PID_ENV = "HARNESS_AGENT_PID"
 INJECTED_EXIT_CODE = 13
 # PipelineConfig.trainer -> the class that runs such an arm.
 PIPELINE_TRAINERS: dict[str, type[Trainer]] = {"versioned": VersionedTrainer, "delayed-oracle": DelayedOracleTrainer}
+# Disk space a rank claims at start-up for its error file: a traceback is a few kilobytes.
+ERROR_ROOM_BYTES = 64 * 1024
+
+
+def error_room(error_file: Path) -> Path:
+    """The file holding the space claimed for a rank's error file, renamed into it once written."""
+    return error_file.with_name(f".{error_file.name}.room")
+
+
+def release_error_room(error_file: Path) -> None:
+    """Frees the space a rank claimed for its error file and did not use: it ended well, or was killed."""
+    error_room(error_file).unlink(missing_ok=True)
+
+
+class ErrorFileInRoom(ErrorHandler):
+    """torch's error handler (``@record``), writing the same error file into space claimed when the rank
+    starts, then renaming it into place. A full disk is a common way for a rank to fail, and torch's
+    own handler then leaves the file empty: the elastic agent fails to parse it, and the cause,
+    the rank's ENOSPC, is lost. This one leaves a whole error file or none."""
+
+    def initialize(self) -> None:
+        super().initialize()
+        path = self._get_error_file_path()
+        if path:
+            with contextlib.suppress(OSError):  # no space to claim: the file is written without it
+                _claim(error_room(Path(path)), ERROR_ROOM_BYTES)
+
+    def record_exception(self, e: BaseException) -> None:
+        path = self._get_error_file_path()
+        if not path:
+            return
+        extra_info = {"py_callstack": traceback.format_exc(), "timestamp": str(int(time.time()))}
+        report = json.dumps({"message": {"message": f"{type(e).__name__}: {e}", "extraInfo": extra_info}})
+        try:
+            _write_into(error_room(Path(path)), Path(path), report.encode())
+        except OSError as error:
+            with contextlib.suppress(OSError):  # stderr is the rank log, on the same disk
+                print(f"{path}: cannot write the error file: {error}", flush=True)
+
+
+def _claim(room: Path, size: int) -> None:
+    fd = os.open(room, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    try:
+        os.posix_fallocate(fd, 0, size)
+    finally:
+        os.close(fd)
+
+
+def _write_into(room: Path, path: Path, data: bytes) -> None:
+    """Writes ``data`` as ``path``, atomically, over the space claimed in ``room`` (it needs no new
+    blocks when it fits); on failure neither file is left."""
+    try:
+        fd = os.open(room, os.O_WRONLY | os.O_CREAT, 0o644)
+        try:
+            if os.pwrite(fd, data, 0) != len(data):
+                raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(room))
+            os.ftruncate(fd, len(data))
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.replace(room, path)
+    except OSError:
+        room.unlink(missing_ok=True)
+        raise
 
 
 def _die_with_parent() -> None:
@@ -387,7 +457,7 @@ def measure_throughput(
                     )
 
 
-@record
+@functools.partial(record, error_handler=ErrorFileInRoom())
 def main(argv: list[str]) -> None:
     entered = time.time()  # the imports (phases.py) end here
     # The imports made a few hundred thousand objects that live as long as the rank; frozen, they
@@ -428,7 +498,9 @@ if __name__ == "__main__":
     except Exception:
         # @record has written the error file. Die now, not after most of a second of interpreter
         # teardown: the rank that raised must be the first to go, or a peer that loses its
-        # connection meanwhile dies first and is blamed as the root cause.
-        traceback.print_exc()
-        sys.stderr.flush()
+        # connection meanwhile dies first and is blamed as the root cause. Even if the log, on a
+        # full disk, cannot take the traceback.
+        with contextlib.suppress(OSError):
+            traceback.print_exc()
+            sys.stderr.flush()
         os._exit(1)

@@ -44,11 +44,13 @@ def no_shipped_goldens(tmp_path_factory: pytest.TempPathFactory, monkeypatch: py
 @pytest.fixture(autouse=True)
 def shared_trace_cache(tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch) -> None:
     """Runs share one trace cache per test session (all xdist workers), never the user's own: a traced
-    arm is traced once per session, and every later run checks the cached graph as it would a fresh one."""
+    arm is traced once per session, and every later run checks the cached graph as it would a fresh one.
+    The key that signs its entries is the session's too (XDG_CONFIG_HOME): no test touches ~/.config."""
     session = tmp_path_factory.getbasetemp()
     if os.environ.get("PYTEST_XDIST_WORKER"):
         session = session.parent  # popen-gw<k>/ sits in the session's directory
     monkeypatch.setenv("HARNESS_TRACE_CACHE", str(session / "trace-cache"))
+    monkeypatch.setenv("XDG_CONFIG_HOME", str(session / "config"))
 
 
 @pytest.fixture

@@ -212,6 +212,7 @@ def test_golden_update_then_a_drifted_golden_fails_the_run(run_harness, tmp_path
     assert update.returncode == 0, update.stdout + update.stderr
     golden = tmp_path / "golden" / "determinism" / f"{CPU_KEY}.json"
     assert "golden determinism/" in update.stdout and "new file" in update.stdout
+    assert update.stdout.splitlines()[-2] == f"wrote determinism/{CPU_KEY}.json"
 
     data = json.loads(golden.read_text())
     data["arms"]["first"]["loss"]["values"]["2"] += 1e-9
@@ -221,6 +222,15 @@ def test_golden_update_then_a_drifted_golden_fails_the_run(run_harness, tmp_path
     drifted = check.check(tmp_path / "check", "golden:first:loss")
     assert drifted["status"] == "fail" and drifted["first_divergent_step"] == 2
     assert check.check(tmp_path / "check", "golden:second:loss")["status"] == "pass"
+    # The plan is announced before the run, the outcome after judging; both name the golden relatively.
+    lines = check.stdout.splitlines()
+    plan = f"golden: will compare with determinism/{CPU_KEY}.json, bitwise identical"
+    outcome = f"golden: 1 of 4 checks differ from determinism/{CPU_KEY}.json (bitwise identical)"
+    assert plan in lines and outcome in lines and lines.index(plan) < lines.index(outcome)
+    assert lines[lines.index(outcome) - 1].startswith("0 passed") is False and lines[-1].startswith("run dir: ")
+    summary = check.summary(tmp_path / "check")["golden"]
+    assert (summary["plan"], summary["outcome"]) == (plan, outcome)
+    assert summary["compared"] == f"determinism/{CPU_KEY}.json" and str(tmp_path) not in json.dumps(summary)
 
 
 def test_golden_of_another_cpu_isa_is_compared_at_the_cross_env_tier(run_harness, tmp_path: Path) -> None:
@@ -237,7 +247,8 @@ def test_golden_of_another_cpu_isa_is_compared_at_the_cross_env_tier(run_harness
     out = tmp_path / "pinned"
     run = run_harness("run", *common, "--golden", "check", "--out", out)
     assert run.returncode == 0, run.stdout + run.stderr
-    assert f"golden: {recorded} (cross-environment: no golden for {CPU_KEY}), within rtol=0.0001 atol=0" in run.stdout
+    plan = f"golden: will compare with logical-ranks/{recorded.name} (cross-environment: no golden for {CPU_KEY})"
+    assert f"{plan}, within rtol=0.0001 atol=0" in run.stdout
     loss = run.check(out, "golden:procs:loss")
     assert loss["status"] == "pass" and loss["detail"].startswith(f"cross-environment vs {recorded.stem}: 3 steps")
     arm = json.loads((out / "arms" / "procs" / "arm.json").read_text())
@@ -264,7 +275,8 @@ def test_golden_of_another_configuration_is_exit_2_under_check(run_harness, tmp_
     assert auto.returncode == 0, auto.stdout + auto.stderr
     skipped = auto.check(tmp_path / "a", "golden")
     assert skipped["status"] == "skip" and "steps: golden 2, this run 3" in skipped["detail"]
-    assert "1 skipped" in auto.stdout and f"golden: not compared: {golden} is for another configuration" in auto.stdout
+    assert "1 skipped" in auto.stdout
+    assert f"golden: not compared: determinism/{golden.name} is for another configuration" in auto.stdout
 
 
 @pytest.mark.parametrize(

@@ -1,5 +1,7 @@
 import json
 import math
+import os
+import time
 
 import numpy as np
 import pandas as pd
@@ -17,8 +19,10 @@ from harness.golden import (
     golden_from_metrics,
     load_golden,
     plan_golden,
+    shown_path,
     write_golden,
 )
+from harness.shipped import SOURCE_ROOT
 
 KEY = "cpu-gloo-float32-torch2.13"
 CONFIG = {"steps": 5, "arms": {"eager": {"ranks": 2, "config": {"chunks": 2}}, "graph": {"ranks": 2, "config": {}}}}
@@ -87,6 +91,24 @@ def test_golden_recorded_by_an_installed_harness_has_no_git_sha(tmp_path):
     path = tmp_path / "parity" / f"{KEY}.json"
     write_golden(path, golden)
     assert load_golden(path).provenance["git_sha"] is None
+
+
+def test_update_removes_the_temp_file_a_killed_update_left_but_not_a_concurrent_ones(tmp_path):
+    path = tmp_path / "parity" / f"{KEY}.json"
+    path.parent.mkdir()
+    killed, writing = path.parent / f".{path.name}.k1ll3d_x.tmp", path.parent / f".{path.name}.wr1t1ng.tmp"
+    other_golden = path.parent / ".cuda-h200-nccl-bfloat16-torch2.13.json.k1ll3d_y.tmp"
+    for temp in (killed, writing, other_golden):
+        temp.write_text('{"schema": ')
+    an_hour_ago = time.time() - 3600
+    for temp in (killed, other_golden):
+        os.utime(temp, (an_hour_ago, an_hour_ago))
+    write_golden(path, make())
+    assert load_golden(path).env_key == KEY
+    assert not killed.exists(), "write_golden: expected the stale temp file of its golden removed"
+    assert writing.exists(), "write_golden: expected a recent temp file (a concurrent update's) kept"
+    assert other_golden.exists(), "write_golden: expected another golden's temp file left alone"
+    assert sorted(p.name for p in path.parent.iterdir()) == sorted([path.name, writing.name, other_golden.name])
 
 
 def test_write_golden_refuses_mismatched_file_name(tmp_path):
@@ -257,7 +279,30 @@ def test_own_golden_is_checked_at_its_own_tier(tmp_path):
     path = _record(tmp_path, PINNED)
     plan = plan_golden("parity", CONFIG, PINNED, "auto", tmp_path, CROSS_ENV)
     assert (plan.mode, plan.path, plan.tier, plan.cross_env) == ("check", path, {"kind": "exact"}, False)
-    assert plan.note == f"golden: {path}, bitwise identical"
+    assert plan.note == f"golden: will compare with parity/{PINNED}.json, bitwise identical"
+
+
+def test_the_golden_outcome_counts_the_checks_that_match_and_differ(tmp_path):
+    _record(tmp_path, PINNED)
+    plan = plan_golden("parity", CONFIG, PINNED, "check", tmp_path, CROSS_ENV)
+    assert plan.outcome(golden_checks(plan, {"eager": frame(), "graph": frame()}, steps=5)) == (
+        f"golden: 4 of 4 checks match parity/{PINNED}.json (bitwise identical)"
+    )
+    changed = frame()
+    changed.loc[3, "grad_norm"] += 1e-9
+    results = golden_checks(plan, {"eager": changed, "graph": changed}, steps=5)
+    assert plan.outcome(results) == f"golden: 2 of 4 checks differ from parity/{PINNED}.json (bitwise identical)"
+    off = plan_golden("parity", CONFIG, PINNED, "off", tmp_path, CROSS_ENV)
+    assert off.outcome(results) is None  # nothing was compared: the plan's note says why
+
+
+def test_golden_paths_are_shown_relative_to_the_checkout_or_the_golden_root(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    shipped = SOURCE_ROOT / "golden" / "parity" / f"{PINNED}.json"
+    assert shown_path(shipped, SOURCE_ROOT / "golden") == f"golden/parity/{PINNED}.json"
+    elsewhere = tmp_path.parent / "goldens"
+    assert shown_path(elsewhere / "parity" / "k.json", elsewhere) == "parity/k.json"
+    assert shown_path(tmp_path / "g" / "parity" / "k.json", tmp_path.parent) == "g/parity/k.json"  # the cwd first
 
 
 def test_golden_of_another_environment_is_checked_at_the_cross_env_tier(tmp_path):
@@ -266,7 +311,10 @@ def test_golden_of_another_environment_is_checked_at_the_cross_env_tier(tmp_path
     for requested in ("auto", "check"):
         plan = plan_golden("parity", CONFIG, PINNED, requested, tmp_path, CROSS_ENV)
         assert plan.mode == "check" and plan.cross_env and plan.tier == CROSS_ENV
-        assert plan.note == f"golden: {other} (cross-environment: no golden for {PINNED}), within rtol=0.0001 atol=0"
+        assert plan.note == (
+            f"golden: will compare with parity/{other.name} (cross-environment: no golden for {PINNED}),"
+            " within rtol=0.0001 atol=0"
+        )
     drifted = frame()
     drifted.loc[2, "loss"] *= 1 + 1e-6  # kernel-ISA noise: within the tier
     results = golden_checks(plan, {"eager": drifted, "graph": frame()}, steps=5)
@@ -293,7 +341,7 @@ def test_no_golden_is_an_error_under_check_and_a_stated_skip_under_auto(tmp_path
     plan = plan_golden("parity", CONFIG, PINNED, "auto", tmp_path, CROSS_ENV)
     assert plan.mode == "off"
     assert plan.note == (
-        f"golden: not compared: no golden for env key {PINNED} in {tmp_path / 'parity'}"
+        f"golden: not compared: no golden for env key {PINNED} in parity"
         " (recorded: cpu-native-avx2-gloo-bfloat16-torch2.13; none comparable)"
     )
 

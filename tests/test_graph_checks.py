@@ -16,6 +16,7 @@ from harness.checks.graph import (
     check_chunk_order,
     check_exchange_counts,
     check_launch_wait_pairs,
+    expected_regions,
     read_graph,
 )
 from harness.compare import CheckResult
@@ -23,6 +24,7 @@ from harness.records import ArmRecords, read_arm
 from harness.suites import SuiteError
 
 ROOTS = ["model.layers.1.mlp", "model.layers.2.mlp"]
+REGIONS = expected_regions("moe", [1, 2])  # (root, direction) x 2 MoE layers
 SUITE = """
 name = "mini"
 description = "a traced arm"
@@ -110,7 +112,7 @@ def test_a_lost_a_misplaced_and_a_stray_wait_fail_launch_wait_pairs() -> None:
 def test_repeated_buffer_sets_fail_the_buffer_set_check() -> None:
     one_region = [n for n in exported_graph()["nodes"] if n["region"] == "model.layers.1.mlp" and n["phase"] == "fwd"]
     repeated = {"nodes": [{**n, "buffer_set": 0} for n in one_region]}
-    result = check_buffer_sets(read_graph(repeated), num_buffer_sets=2)
+    result = check_buffer_sets(read_graph(repeated), num_buffer_sets=2, regions={"model.layers.1.mlp fwd"})
     assert result.status == "fail"
     problems = result.extra["problems"]
     assert problems[0] == "dispatch_l1_c1 of chunk 1 uses buffer set 0, expected 1"
@@ -120,14 +122,31 @@ def test_repeated_buffer_sets_fail_the_buffer_set_check() -> None:
 
 def test_an_exchange_outside_every_chunk_body_fails_the_buffer_set_check() -> None:
     stray = _edited(exported_graph(), "combine_l2_c0", chunk=None)
-    result = check_buffer_sets(read_graph(stray), num_buffer_sets=2)
+    result = check_buffer_sets(read_graph(stray), num_buffer_sets=2, regions=REGIONS)
     assert result.detail.startswith("combine_l2_c0 is not in a chunk body (buffer set 0)")
 
 
 def test_backward_chunks_in_forward_order_fail_the_chunk_order() -> None:
-    result = check_chunk_order(read_graph(exported_graph(OVERLAPPED, backward_ascending=True)))
+    result = check_chunk_order(read_graph(exported_graph(OVERLAPPED, backward_ascending=True)), REGIONS)
     assert result.status == "fail"
     assert result.detail == "model.layers.1.mlp bwd: chunks launch in order [0, 1], expected [1, 0] (and 1 more)"
+
+
+def test_every_graph_check_fails_when_the_backward_merged_into_the_forward_regions(tmp_path: Path) -> None:
+    """A graph whose backward flag was lost (as once from cached graphs): forward and backward of each
+    layer are judged as one region, 2 of the 4 the config implies. Each per-region check must fail,
+    not pass on regions that happen to look ordered."""
+    merged = {"nodes": [{**n, "phase": "fwd"} for n in exported_graph()["nodes"]]}
+    results = _judge(tmp_path, merged)
+    missing = (
+        "judged 2 regions where the config implies 4; missing ['model.layers.1.mlp bwd', 'model.layers.2.mlp bwd']"
+    )
+    for check in ("graph:buffer-sets", "graph:chunk-order"):
+        assert results[f"graph: {check}"].status == "fail"
+        assert results[f"graph: {check}"].detail.startswith(missing), results[f"graph: {check}"].detail
+    assert results["graph: graph:exchange-counts"].status == "fail"
+    layers = _judge(tmp_path, exported_graph(), moe_layers=[1, 2, 3])  # a MoE layer with no exchange at all
+    assert "missing ['model.layers.3.mlp bwd', 'model.layers.3.mlp fwd']" in layers["graph: graph:chunk-order"].detail
 
 
 def test_the_verdicts_the_reference_writes_are_not_read(tmp_path: Path) -> None:

@@ -6,7 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from exported_graphs import OVERLAPPED, SERIAL, exchange_events, exported_graph
+from exported_graphs import MOE_LAYERS, OVERLAPPED, SERIAL, exchange_events, exported_graph
 from suite_files import suite_from
 
 from harness.checks import run_check
@@ -36,7 +36,12 @@ kind = "overlap"
 
 def _judge(tmp_path: Path, graph: dict | None, events: dict[int, list[dict]]) -> dict[str, CheckResult]:
     suite = suite_from(tmp_path, SUITE)
-    records = {"plain": ArmRecords(), "eager": ArmRecords(events=events), "graph": ArmRecords(graph=graph)}
+    layers = list(MOE_LAYERS)
+    records = {
+        "plain": ArmRecords(),
+        "eager": ArmRecords(events=events, moe_layers=layers),
+        "graph": ArmRecords(graph=graph, moe_layers=layers),
+    }
     return {r.name: r for r in run_check(suite.checks[0], suite, records)}
 
 
@@ -104,3 +109,23 @@ def test_an_arm_whose_schedule_promises_no_overlap_is_refused(tmp_path: Path) ->
     unchunked = SUITE.replace("chunks = 2", "chunks = 1")
     with pytest.raises(SuiteError, match=r"checks\.0: needs a chunked arm with chunks >= 2 and num_buffer_sets >= 2"):
         suite_from(tmp_path, unchunked)
+
+
+def test_regions_other_than_the_config_implies_fail_however_well_they_overlap(tmp_path: Path) -> None:
+    """A graph whose backward flag was lost: both directions of a layer merge into one region, which
+    overlaps; so does an eager forward that lost a MoE layer's exchanges."""
+    merged = exported_graph()
+    for node in merged["nodes"]:
+        node["phase"] = "fwd"
+    lost_layer = [e for e in exchange_events(2) if e["layer"] != 2]
+    results = _judge(tmp_path, merged, {0: lost_layer, 1: exchange_events(2)})
+    graph, eager = results["graph: overlap"], results["eager: overlap"]
+    assert graph.status == "fail"
+    assert graph.detail.startswith(
+        "2 of 2 graph regions overlap (100%); judged 2 regions where the config implies 4;"
+        " missing ['model.layers.1.mlp bwd', 'model.layers.2.mlp bwd']"
+    )
+    assert eager.status == "fail"
+    assert "logical rank 0 step 1 fwd: regions of layers [1], the MoE layers are [1, 2]" in eager.detail
+    nothing_expected = _judge(tmp_path, exported_graph(), {0: exchange_events(), 1: exchange_events()})
+    assert nothing_expected["graph: overlap"].status == "pass"

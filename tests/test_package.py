@@ -46,8 +46,8 @@ arms = ["a", "b"]
 
 @dataclass(frozen=True)
 class Installed:
-    """A venv holding only the wheel (torch and the other dependencies come from the system site),
-    and an empty working directory outside the source tree to run it from."""
+    """A venv holding only the wheel (torch and the other dependencies are the test interpreter's,
+    wherever it keeps them), and an empty working directory outside the source tree to run it from."""
 
     venv: Path
     wheel: Path
@@ -64,6 +64,13 @@ class Installed:
             text=True,
             timeout=timeout,
         )
+
+
+def _package_dirs() -> list[str]:
+    """The site directories the running interpreter imports its packages from: a venv's, the system's
+    or the user's, whichever it has. Listed in a .pth file they give a new venv the same dependencies
+    but not the checkout's editable harness, whose finder is a .pth file there, never processed."""
+    return [path for path in sys.path if Path(path).name in ("site-packages", "dist-packages")]
 
 
 def _source_files() -> list[str]:
@@ -94,9 +101,14 @@ def installed(tmp_path_factory: pytest.TempPathFactory) -> Installed:
     subprocess.run(build, check=True, capture_output=True, timeout=120)
     (wheel,) = wheels.glob("harness-*.whl")
     venv = root / "venv"
-    subprocess.run([sys.executable, "-m", "venv", "--system-site-packages", "--without-pip", str(venv)], check=True)
-    install = [*pip, "--python", str(venv / "bin" / "python"), "install", "--no-index", "--no-deps", str(wheel)]
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True)
+    python = str(venv / "bin" / "python")
+    install = [*pip, "--python", python, "install", "--no-index", "--no-deps", str(wheel)]
     subprocess.run(install, check=True, capture_output=True, timeout=120)
+    purelib = subprocess.run(
+        [python, "-c", "import sysconfig; print(sysconfig.get_path('purelib'))"], capture_output=True, text=True
+    ).stdout.strip()
+    (Path(purelib) / "test-dependencies.pth").write_text("\n".join(_package_dirs()) + "\n")
     workdir = root / "work"
     workdir.mkdir()
     return Installed(venv, wheel, workdir)

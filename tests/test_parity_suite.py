@@ -86,11 +86,11 @@ def test_planted_graph_bug_fails_the_check_that_names_it(
     assert run.summary(out)["verdict"] == "fail"
 
 
-def run_parity_with(run_harness, plant, tmp_path: Path, bug: str) -> tuple:
-    """One step of parity with ``bug`` planted in every rank; the run and its directory."""
+def run_parity_with(run_harness, plant, tmp_path: Path, bug: str, suite: str = "parity") -> tuple:
+    """One step of ``suite`` with ``bug`` planted in every rank; the run and its directory."""
     out = tmp_path / "run"
-    args = ("run", "parity", "--ranks", 2, "--steps", 1, "--golden", "off", "--out", out)
-    return run_harness(*args, env=plant(bug)), out
+    args = ("run", suite, "--ranks", 2, "--steps", 1, "--golden", "off", "--out", out)
+    return run_harness(*args, env=plant(bug), timeout=400), out
 
 
 SELF_CERTIFIED_BUFFER_SETS = """
@@ -140,9 +140,13 @@ schedule.EPScheduler.order = one_chunk_at_a_time
 """
 
 
-def test_a_scheduler_that_stops_overlapping_fails_only_the_overlap_check(run_harness, plant, tmp_path: Path) -> None:
-    """Chunk 1 launches only once chunk 0's exchanges have landed: same numbers, same exchanges."""
-    run, out = run_parity_with(run_harness, plant, tmp_path, ONE_CHUNK_AT_A_TIME)
+@pytest.mark.parametrize("suite", ["parity", "parity-inductor"])
+def test_a_scheduler_that_stops_overlapping_fails_only_the_overlap_check(
+    run_harness, plant, tmp_path: Path, suite: str
+) -> None:
+    """Chunk 1 launches only once chunk 0's exchanges have landed: same numbers, same exchanges; with
+    attention compiled by regional Inductor too."""
+    run, out = run_parity_with(run_harness, plant, tmp_path, ONE_CHUNK_AT_A_TIME, suite)
     assert run.returncode == 1, run.stdout + run.stderr
     assert failing(run, out) == {"eager: overlap", "eager-traced: overlap", "graph: overlap"}
     graph = run.check(out, "graph: overlap")

@@ -1,7 +1,7 @@
 """The PEC suites through the real CLI on 2-rank gloo runs: pipelined equals sequential bit for bit,
 EP=2 in one process equals EP=2 on two, each planted fault of the reference fails the checks that
 catch it (exit 1; a wrong hand-off also parts pipelined from sequential), and the pre-#4498 order
-fails the autograd invariant."""
+fails the autograd invariant, as its negative suite expects."""
 
 from __future__ import annotations
 
@@ -93,15 +93,37 @@ def test_each_planted_pec_fault_exits_1_naming_the_checks_that_catch_it(
     assert all(f"FAIL  {name}" in run.stdout for name in caught_by), run.stdout
 
 
-def test_legacy_order_fails_the_autograd_invariant(run_harness, tmp_path: Path) -> None:
-    """The documented negative suite: its verdict is fail, on the legacy arm's events only."""
+def test_legacy_order_fails_as_expected_on_the_autograd_invariant_only(run_harness, tmp_path: Path) -> None:
+    """The documented negative suite: exactly its two expected failures, on the legacy arm's events
+    only, make it pass (exit 0), reported as failed as expected."""
     out = tmp_path / "legacy"
     run = run_harness("run", "pec-legacy", "--ranks", 2, "--steps", 5, "--golden", "off", "--out", out)
+    assert run.returncode == 0, run.stdout + run.stderr
+    statuses = _statuses(run, out)
+    assert {name for name, status in statuses.items() if status == "xfail"} == {
+        "legacy: pec:no-autograd-start",
+        "legacy: pec:ol-window",
+    }
+    assert set(statuses.values()) == {"pass", "xfail"}, statuses
+    autograd = run.check(out, "legacy: pec:no-autograd-start")
+    assert autograd["detail"].startswith(
+        "failed as expected: logical rank 0: OL start of batch 1 (call 1) started inside autograd"
+    )
+    assert run.summary(out)["verdict"] == "failed-as-expected"
+    assert "pec-legacy: FAILED AS EXPECTED (exit 0)" in run.stdout
+    assert 'type="xfail"' in (out / "junit.xml").read_text()
+    assert "FAILED AS EXPECTED" in (out / "report.html").read_text()
+
+
+def test_a_negative_suite_whose_bug_is_gone_fails(run_harness, tmp_path: Path) -> None:
+    """The legacy arm given the pipelined order: the checks it exists to trip now pass, so the
+    negative suite fails (exit 1), naming each expected failure that did not happen."""
+    out = tmp_path / "fixed"
+    args = ("--steps", 2, "--golden", "off", "--set", "arms.legacy.pec=pipelined", "--out", out)
+    run = run_harness("run", "pec-legacy", "--ranks", 2, *args)
     assert run.returncode == 1, run.stdout + run.stderr
     assert _failing(run, out) == {"legacy: pec:no-autograd-start", "legacy: pec:ol-window"}
-    autograd = run.check(out, "legacy: pec:no-autograd-start")
-    assert autograd["detail"].startswith("logical rank 0: OL start of batch 1 (call 1) started inside autograd")
-    assert "legacy: pec:no-autograd-start" in (out / "junit.xml").read_text()
+    assert run.check(out, "legacy: pec:ol-window")["detail"].startswith("expected to fail, but passed: ")
 
 
 def test_both_rowwise_optimizers_pipelined_equal_sequential(run_harness, tmp_path: Path) -> None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import pickle
 import shutil
 import subprocess
 import time
@@ -17,7 +18,17 @@ from pathlib import Path
 import pytest
 
 from harness.launch import LaunchGroup
-from harness.slurm import SlurmProfile, executor_parameters, job_shape, rendezvous_env, rendezvous_port
+from harness.slurm import (
+    RESULT_FILE,
+    SlurmJob,
+    SlurmProfile,
+    executor_parameters,
+    job_shape,
+    read_results,
+    rendezvous_env,
+    rendezvous_port,
+    run_task,
+)
 from harness.suites import SuiteError
 
 REPO = Path(__file__).resolve().parent.parent
@@ -25,6 +36,30 @@ CLUSTER = REPO / "slurm" / "local-cluster.sh"
 # Every job of a test: a small run, so the file stays quick on two cores.
 FAST = ("--steps", 3, "--golden", "off")
 RAISE_AT_STEP_2_ON_RANK_1 = ("--set", "debug.fail_step=2", "--set", "debug.fail_rank=1")
+# squeue states (%T) of a job not yet ended.
+ACTIVE_STATES = {"PENDING", "CONFIGURING", "RUNNING", "COMPLETING", "SUSPENDED", "REQUEUED", "RESIZING", "SIGNALING"}
+# What SLURM_* submitit reads inside a job: task 1 of job 42, on the second of two nodes.
+TASK_1_OF_JOB_42 = {
+    "SUBMITIT_EXECUTOR": "slurm",
+    "SLURM_JOB_ID": "42",
+    "SLURM_JOB_NODELIST": "gpu[07-08]",
+    "SLURM_JOB_NUM_NODES": "2",
+    "SLURM_NODEID": "1",
+    "SLURM_NTASKS": "2",
+    "SLURM_PROCID": "1",
+    "SLURM_LOCALID": "0",
+}
+
+
+class PlantedPickle:
+    """A result pickle that, once loaded, creates ``marker``: what anyone who can write a run directory
+    on a shared filesystem could leave there."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self) -> tuple:
+        return (Path.touch, (self.marker,))
 
 
 @pytest.fixture(scope="session")
@@ -60,6 +95,14 @@ def jobs_of(run_dir: Path, wait_s: float = 60) -> list[dict]:
         assert time.monotonic() < give_up, f"no {path}"
         time.sleep(0.2)
     return json.loads(path.read_text())["jobs"]
+
+
+def wait_until_ended(job_ids: list[str], wait_s: float = 120) -> None:
+    give_up = time.monotonic() + wait_s
+    query = ["squeue", "-h", "-t", "all", "-j", ",".join(job_ids), "-o", "%T"]
+    while set(subprocess.run(query, capture_output=True, text=True).stdout.split()) & ACTIVE_STATES:
+        assert time.monotonic() < give_up, f"jobs {job_ids} did not end"
+        time.sleep(0.2)
 
 
 def wait_until_running(job_id: str, wait_s: float = 60) -> None:
@@ -152,9 +195,10 @@ def test_bad_profile_exits_2_with_nothing_submitted(run_harness, tmp_path: Path,
 @pytest.mark.usefixtures("slurm_cluster")
 def test_a_rank_that_raises_in_a_job_is_judged_as_locally_also_after_no_wait(run_harness, tmp_path: Path) -> None:
     """As a local run: the injected raise is the harness's own code, so infrastructure (exit 3), with
-    its traceback; judged by ``collect`` after ``--no-wait``. Also: a profile's values reach the job
+    its traceback; judged by ``collect`` after ``--no-wait``, from the tasks' JSON results alone:
+    every result pickle replaced by a payload, none is loaded. Also: a profile's values reach the job
     script quoted, never run."""
-    out, planted = tmp_path / "run", tmp_path / "injected"
+    out, planted, unpickled = tmp_path / "run", tmp_path / "injected", tmp_path / "unpickled"
     profile = write_profile(tmp_path, f'partition = "debug"\n[env]\nHARNESS_PROBE = "$(touch {planted})"\n')
     submitted = run_harness(
         "submit", "logical-ranks", *FAST, "--profile", profile, "--out", out, "--no-wait", *RAISE_AT_STEP_2_ON_RANK_1
@@ -162,6 +206,13 @@ def test_a_rank_that_raises_in_a_job_is_judged_as_locally_also_after_no_wait(run
     assert submitted.returncode == 0, submitted.stdout + submitted.stderr
     assert f"run dir: {out}" in submitted.stdout and "Slurm job" in submitted.stdout
     assert not (out / "summary.json").exists()
+    procs, inproc = (job["job_id"] for job in jobs_of(out))
+    subprocess.run(["scancel", inproc], check=True)  # not waited for: the judging stops at the failed group
+    wait_until_ended([procs, inproc])
+    pickles = list((out / "slurm").glob("*_result.pkl"))
+    assert pickles, f"{out / 'slurm'}: expected submitit's result pickles, got {os.listdir(out / 'slurm')}"
+    for path in pickles:
+        path.write_bytes(pickle.dumps(PlantedPickle(unpickled)))
     collected = run_harness("collect", out)
     assert collected.returncode == 3, collected.stdout + collected.stderr
     assert "rank 1 of group 'procs' failed first" in collected.stderr
@@ -177,6 +228,39 @@ def test_a_rank_that_raises_in_a_job_is_judged_as_locally_also_after_no_wait(run
     script = next((out / "slurm").glob("*_submission.sh")).read_text()
     assert f"export HARNESS_PROBE='$(touch {planted})'" in script
     assert not planted.exists()
+    assert not unpickled.exists(), "harness collect: expected no pickle loaded, got the planted payload run"
+
+
+def test_a_task_that_raises_itself_leaves_its_traceback_as_json(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """A task that raises outside its worker (here: its run directory has no manifest) writes its
+    traceback into its JSON result, which the watch reads as that task's failure."""
+    for key, value in TASK_1_OF_JOB_42.items():
+        monkeypatch.setenv(key, value)
+    for key in ("MASTER_ADDR", "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"):
+        monkeypatch.setenv(key, "stale")  # restored after the test; the task exports them
+    monkeypatch.setenv("MASTER_PORT", "29511")
+    (tmp_path / "slurm").mkdir()
+    with pytest.raises(FileNotFoundError):
+        run_task(str(tmp_path), "procs", {})
+    results = read_results(tmp_path, SlurmJob("procs", "42", nodes=2, tasks_per_node=1))
+    assert set(results) == {1} and results[1]["exitcode"] == 1, f"read_results: expected task 1 failed, got {results}"
+    assert "FileNotFoundError" in results[1]["traceback"] and "manifest.json" in results[1]["traceback"]
+
+
+@pytest.mark.parametrize(
+    "text",
+    ["", '{"rank": 0, "exitcode": ', '{"rank": 0}', '{"rank": 1, "exitcode": 0}', '{"rank": 0, "exitcode": "0"}', "[]"],
+)
+def test_a_task_result_that_does_not_read_as_one_counts_as_missing(tmp_path: Path, text: str) -> None:
+    """A torn, empty or malformed result (a task killed mid-write, a file someone else wrote) is the
+    task's result missing, which the watch handles (a lost job), never a crash."""
+    job = SlurmJob("procs", "7", nodes=1, tasks_per_node=2)
+    (tmp_path / "slurm").mkdir()
+    job.file(tmp_path, RESULT_FILE, 0).write_text(text)
+    job.file(tmp_path, RESULT_FILE, 1).write_text(json.dumps({"rank": 1, "exitcode": 0, "died_at": 1.5}))
+    assert set(read_results(tmp_path, job)) == {1}, f"read_results: expected task 0 missing for {text!r}"
 
 
 def test_nodes_spread_the_ranks_and_one_rendezvous_spans_them(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -189,17 +273,7 @@ def test_nodes_spread_the_ranks_and_one_rendezvous_spans_them(monkeypatch: pytes
     parameters = executor_parameters(SlurmProfile("p", gpus_per_node=8), "n", 2, 1, after="41")
     assert (parameters["nodes"], parameters["tasks_per_node"], parameters["gpus_per_node"]) == (2, 1, 8)
     assert parameters["slurm_additional_parameters"]["dependency"] == "afterany:41"
-    slurm = {
-        "SUBMITIT_EXECUTOR": "slurm",
-        "SLURM_JOB_ID": "42",
-        "SLURM_JOB_NODELIST": "gpu[07-08]",
-        "SLURM_JOB_NUM_NODES": "2",
-        "SLURM_NODEID": "1",
-        "SLURM_NTASKS": "2",
-        "SLURM_PROCID": "1",
-        "SLURM_LOCALID": "0",
-    }
-    for key, value in slurm.items():
+    for key, value in TASK_1_OF_JOB_42.items():
         monkeypatch.setenv(key, value)
     for key in ("MASTER_ADDR", "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"):
         monkeypatch.setenv(key, "stale")  # restored after the test; the export overwrites them

@@ -10,8 +10,8 @@ import pytest
 
 from harness.compare import CheckResult
 from harness.report.throughput import improvement_note
-from harness.run import EXIT_FAIL, EXIT_INCONCLUSIVE, EXIT_INFRA, EXIT_PASS, verdict_of
 from harness.throughput import judge_throughput, plan_measurements, plan_throughput_launches
+from harness.verdict import EXIT_FAIL, EXIT_INCONCLUSIVE, EXIT_INFRA, EXIT_PASS, verdict_of
 from tests.suite_files import suite_from
 
 SUITE = """

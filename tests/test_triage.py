@@ -43,8 +43,9 @@ def test_an_internal_consistency_assertion_of_the_reference_is_a_regression() ->
         "RuntimeError: [gloo/transport/tcp/pair.cc:537] Read error [127.0.0.1]:1: Connection reset by peer",
         "torch.distributed.DistBackendError: NCCL error in: ProcessGroupNCCL.cpp:1, remote process exited",
         "torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB",
+        "OSError: [Errno 28] No space left on device: '/runs/parity/arms/eager/digests.jsonl'",
     ],
-    ids=["peer-reset", "nccl", "oom"],
+    ids=["peer-reset", "nccl", "oom", "full-disk"],
 )
 def test_flake_patterns_win_even_inside_the_reference(last: str) -> None:
     text = _traceback(WORKER, str(SUBJECT_DIR / "ep" / "group.py"), "/torch/distributed/distributed_c10d.py", last=last)

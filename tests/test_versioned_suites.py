@@ -65,6 +65,31 @@ def test_strict_vs_stale_passes_its_band_and_reports_the_correction(run_harness,
     assert "strict: correction-stats" not in {c["name"] for c in run.summary(out)["checks"]}  # its correction is off
     counts = run.check(out, "stale: token-exchange:expected-counts")
     assert counts["status"] == "pass" and "(fwd 39, bwd 20)" in counts["detail"]  # 20 + one per stale backward
+    binds = run.check(out, "clipped: correction-stats, clip binds")
+    assert binds["status"] == "pass" and "at every stale step (min_clipped_frac 0.2)" in binds["detail"], binds
+    assert min(row["clipped_frac"] for row in binds["extra"]["per_step"][1:]) >= 0.2
+
+
+CLIP_NEVER_BINDS = """
+import harness.reference.versioned as versioned
+
+weight = versioned.correction_weight
+versioned.correction_weight = lambda lp_now, lp_then, clip=5.0: weight(lp_now, lp_then, 50.0)
+"""
+
+
+def test_a_clip_that_ignores_its_setting_fails_the_binding_clip_check(run_harness, plant, tmp_path: Path) -> None:
+    """The correction clamps at 50 whatever the arm sets: no weight of these runs reaches 5, so only
+    the arm whose clip binds (1.01) can tell: its weights leave [0, 1.01]."""
+    out = tmp_path / "run"
+    run = run_harness(
+        "run", "strict-vs-stale", "--steps", 5, "--golden", "off", "--out", out, env=plant(CLIP_NEVER_BINDS)
+    )
+    assert run.returncode == 1, run.stdout + run.stderr
+    failed = {c["name"] for c in run.summary(out)["checks"] if c["status"] == "fail"}
+    assert failed == {"clipped: correction-stats", "clipped: correction-stats, clip binds"}, failed
+    detail = run.check(out, "clipped: correction-stats, clip binds")["detail"]
+    assert detail.startswith("step 2: correction mean ") and " is outside [0, 1.01]" in detail, detail
 
 
 def test_perturbed_stale_arm_fails_the_band(run_harness, tmp_path: Path) -> None:
@@ -208,6 +233,34 @@ def test_correction_stats_never_pass_a_correction_that_did_nothing(correction: s
         ([1], [0]), ([2], [1]), ([3], [1]), correction_mean=[1.0, 0.98, 1.01], correction_clipped_frac=[0.0] * 3
     )
     assert check_correction_stats(working, "always", delay=1).status == "pass"
+
+
+def test_min_clipped_frac_needs_every_stale_step_clipped() -> None:
+    def stats(clipped: list[float]):
+        updates = _updates(
+            ([1], [0]), ([2], [1]), ([3], [1]), correction_mean=[1.0, 0.98, 0.99], correction_clipped_frac=clipped
+        )
+        return check_correction_stats(updates, "always", delay=1, clip=1.01, min_clipped_frac=0.2)
+
+    assert stats([0.0, 0.5, 0.4]).status == "pass"  # step 1 is not stale: nothing to clip there
+    unclipped = stats([0.0, 0.5, 0.1])
+    assert unclipped.status == "fail" and unclipped.first_divergent_step == 3
+    assert unclipped.detail == "step 3: clipped fraction 0.1 under min_clipped_frac 0.2: the clip at 1.01 did not act"
+
+
+@pytest.mark.parametrize(
+    "value,message",
+    [(0, "expected a number > 0, got 0"), (1.5, "expected a fraction in (0, 1], got 1.5"), ("x", "expected a number")],
+)
+def test_min_clipped_frac_is_validated(tmp_path: Path, value: object, message: str) -> None:
+    text = (Path(__file__).parent.parent / "suites" / "strict-vs-stale.toml").read_text()
+    path = tmp_path / "suite.toml"
+    path.write_text(text.replace("min_clipped_frac = 0.2", f"min_clipped_frac = {value!r}".replace("'", '"')))
+    with pytest.raises(SuiteError, match="min_clipped_frac: " + message.replace("(", r"\(").replace(")", r"\)")):
+        load_suite(str(path))
+    path.write_text(text.replace('kind = "staleness-ages"', 'kind = "staleness-ages"\nmin_clipped_frac = 0.5'))
+    with pytest.raises(SuiteError, match=r"min_clipped_frac: unknown key"):
+        load_suite(str(path))
 
 
 def test_pipeline_plan_counts_every_exchange_of_a_tick() -> None:

@@ -15,13 +15,17 @@ graph must contain from the arm's train config and the MoE layers in its ``arm.j
   alternate, and no launch reuses a (pool, buffer set) another exchange still has in flight;
 * ``graph:chunk-order``: forward chunks start in order 0..C-1, backward chunks C-1..0.
 
-No graph.json, or one without exchange ops, fails: nothing passes on absent data.
+Each check also fails when the regions it judged, one per (chunk root, direction), are not the ones
+the arm's config implies (its MoE layers' roots, forward and backward): a graph whose backward flag
+was lost merges both directions into half the regions, and every per-region check then passes on
+the wrong regions. No graph.json, or one without exchange ops, fails: nothing passes on absent data.
 """
 
 from __future__ import annotations
 
 import dataclasses
 from collections import Counter, defaultdict
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -117,6 +121,29 @@ def _node(raw: Any, index: int) -> GraphNode:
     )
 
 
+def expected_regions(chunk_roots: str, moe_layers: list[int] | None) -> set[str] | None:
+    """The regions (``GraphNode.region_phase``) a traced arm's config implies: each MoE layer's chunk
+    root, forward and backward; None when the arm recorded no MoE layers."""
+    if not moe_layers:
+        return None
+    return {f"{ROOT_NAMES[chunk_roots].format(layer=layer)} {phase}" for layer in moe_layers for phase in PHASES}
+
+
+def region_problems(judged: Iterable[str], expected: set[str] | None) -> list[str]:
+    """Why the regions a check judged are not those the config implies (none when they are)."""
+    if expected is None:
+        return ["no MoE layers recorded (arm.json): the regions to judge are unknown"]
+    judged = set(judged)
+    if judged == expected:
+        return []
+    missing, unexpected = sorted(expected - judged), sorted(judged - expected)
+    return [
+        f"judged {len(judged)} regions where the config implies {len(expected)}"
+        + (f"; missing {missing}" if missing else "")
+        + (f"; unexpected {unexpected}" if unexpected else "")
+    ]
+
+
 def _result(name: str, problems: list[str], passed: str) -> CheckResult:
     """A graph has no steps: every problem is placed at none."""
     return problems_result(name, KIND, [(None, problem) for problem in problems], passed)
@@ -161,10 +188,11 @@ def check_launch_wait_pairs(nodes: list[GraphNode]) -> CheckResult:
     return _result(PAIRS, problems, f"{len(launches)} launches, each with one wait after it")
 
 
-def check_buffer_sets(nodes: list[GraphNode], num_buffer_sets: int) -> CheckResult:
+def check_buffer_sets(nodes: list[GraphNode], num_buffer_sets: int, regions: set[str] | None) -> CheckResult:
     """Chunk c exchanges on set ``c % num_buffer_sets``, so consecutive chunks alternate; no set is
-    launched into while an exchange on it is in flight (it would overwrite rows not yet read)."""
-    problems = []
+    launched into while an exchange on it is in flight (it would overwrite rows not yet read); the
+    chunked regions are ``regions`` (:func:`expected_regions`)."""
+    problems = region_problems({node.region_phase for node in nodes if node.chunk is not None}, regions)
     used: dict[str, dict[int, set[int]]] = defaultdict(lambda: defaultdict(set))
     in_flight: dict[tuple[str, int], GraphNode] = {}
     for node in nodes:
@@ -196,15 +224,16 @@ def check_buffer_sets(nodes: list[GraphNode], num_buffer_sets: int) -> CheckResu
     return _result(BUFFER_SETS, problems, passed)
 
 
-def check_chunk_order(nodes: list[GraphNode]) -> CheckResult:
-    """Forward chunks start their exchanges in order 0..C-1, backward chunks in order C-1..0."""
+def check_chunk_order(nodes: list[GraphNode], regions: set[str] | None) -> CheckResult:
+    """Forward chunks start their exchanges in order 0..C-1, backward chunks in order C-1..0, in
+    each of ``regions`` (:func:`expected_regions`) and nowhere else."""
     first_launch: dict[tuple[str | None, str], list[int]] = defaultdict(list)
     for node in nodes:
         if node.role == "launch" and node.chunk is not None:
             chunks = first_launch[(node.region, node.phase)]
             if node.chunk not in chunks:
                 chunks.append(node.chunk)
-    problems = []
+    problems = region_problems((f"{region} {phase}" for region, phase in first_launch), regions)
     for (region, phase), chunks in first_launch.items():
         expected = sorted(chunks, reverse=phase == "bwd")
         if chunks != expected:
@@ -237,11 +266,12 @@ def graph_results(arm: str, spec: ArmSpec, records: ArmRecords) -> list[CheckRes
     else:
         what = "records no MoE layers" if records.moe_layers == [] else "has no arm.json with its MoE layers"
         counts = CheckResult(COUNTS, KIND, "fail", f"arm '{arm}' {what}: no exchange counts to expect")
+    regions = expected_regions(train["chunk_roots"], records.moe_layers)
     results = [
         counts,
         check_launch_wait_pairs(nodes),
-        check_buffer_sets(nodes, train["num_buffer_sets"]),
-        check_chunk_order(nodes),
+        check_buffer_sets(nodes, train["num_buffer_sets"], regions),
+        check_chunk_order(nodes, regions),
     ]
     return [dataclasses.replace(r, name=f"{arm}: {r.name}") for r in results]
 

@@ -17,14 +17,19 @@ detail reports the fraction of regions that do; a region that does not fails the
 Eager arms schedule their forward (and its replay, ``recompute``) only: their backward is
 autograd's, which runs each reverse exchange's launch and wait inside one autograd node, so it
 promises no overlap and is not judged. Traced arms schedule both directions.
+
+The regions judged must be those the arm's config implies, or the check fails whatever their
+overlap: a graph's two regions per MoE layer (``graph.expected_regions``); in every (logical rank,
+step, phase) of an eager arm's events, one region per MoE layer.
 """
 
 from __future__ import annotations
 
 from collections import defaultdict
+from collections.abc import Iterable
 
 from harness.checks.exchange import Event, malformed_events
-from harness.checks.graph import GraphNode, graph_nodes
+from harness.checks.graph import GraphNode, expected_regions, graph_nodes, region_problems
 from harness.checks.registry import CheckFamily, SuiteReader, problems_result, qualifying_arms, register
 from harness.compare import CheckResult
 from harness.records import ArmRecords
@@ -62,21 +67,35 @@ def graph_regions(nodes: list[GraphNode]) -> dict[str, Sequence]:
     return dict(regions)
 
 
-def event_regions(events: list[Event], phases: tuple[str, ...]) -> dict[str, Sequence]:
+def event_regions(events: list[Event], phases: tuple[str, ...]) -> dict[tuple[int, str, int], Sequence]:
     """The launch/wait sequence of each (step, phase, layer) in ``phases`` of one logical rank's events."""
-    regions: dict[str, Sequence] = defaultdict(list)
+    regions: dict[tuple[int, str, int], Sequence] = defaultdict(list)
     for e in events:
         if e["phase"] in phases:
-            regions[f"step {e['step']} {e['phase']} layer {e['layer']}"].append((e["chunk"], e["op"]))
+            regions[(e["step"], e["phase"], e["layer"])].append((e["chunk"], e["op"]))
     return dict(regions)
 
 
-def overlap_result(name: str, regions: dict[str, Sequence], scope: str) -> CheckResult:
-    """Passes when every region overlaps; the detail gives the fraction that does, over ``scope``."""
+def layer_problems(rank: int, regions: Iterable[tuple[int, str, int]], moe_layers: list[int]) -> list[str]:
+    """Why one logical rank's event regions are not one per MoE layer in each (step, phase) they cover."""
+    layers: dict[tuple[int, str], set[int]] = defaultdict(set)
+    for step, phase, layer in regions:
+        layers[(step, phase)].add(layer)
+    return [
+        f"logical rank {rank} step {step} {phase}: regions of layers {sorted(seen)}, the MoE layers are {moe_layers}"
+        for (step, phase), seen in layers.items()
+        if seen != set(moe_layers)
+    ]
+
+
+def overlap_result(name: str, regions: dict[str, Sequence], scope: str, wrong_regions: list[str]) -> CheckResult:
+    """Passes when the regions are the expected ones (``wrong_regions`` says why not) and every one
+    overlaps; the detail gives the fraction that does, over ``scope``."""
     if not regions:
         return CheckResult(name, KIND, "fail", f"no {scope} recorded: no overlap to check")
-    problems = [(None, f"{label}: {problem}") for label, seq in regions.items() if (problem := overlap_problem(seq))]
-    overlapping = len(regions) - len(problems)
+    problems = [(None, problem) for problem in wrong_regions]
+    problems += [(None, f"{label}: {problem}") for label, seq in regions.items() if (problem := overlap_problem(seq))]
+    overlapping = len(regions) - len(problems) + len(wrong_regions)
     fraction = overlapping / len(regions)
     extra = {"regions": len(regions), "overlapping": overlapping, "fraction": fraction}
     summary = f"{overlapping} of {len(regions)} {scope} overlap ({fraction:.0%})"
@@ -91,18 +110,21 @@ def arm_overlap(name: str, arm: str, spec: ArmSpec, records: ArmRecords) -> Chec
         nodes = graph_nodes(name, KIND, arm, records)
         if isinstance(nodes, CheckResult):
             return nodes
-        return overlap_result(name, graph_regions(nodes), "graph regions")
+        regions = graph_regions(nodes)
+        expected = expected_regions(spec.train["chunk_roots"], records.moe_layers)
+        return overlap_result(name, regions, "graph regions", region_problems(regions, expected))
     empty = [rank for rank, events in sorted(records.events.items()) if not events]
     if not records.events or empty:
         return CheckResult(name, KIND, "fail", f"logical ranks {empty or 'all'} recorded no token-exchange events")
     regions: dict[str, Sequence] = {}
+    wrong = region_problems((), None) if not records.moe_layers else []
     for rank, events in sorted(records.events.items()):
         if reason := malformed_events(events):
             return CheckResult(name, KIND, "error", f"malformed events of logical rank {rank}: {reason}")
-        regions |= {
-            f"logical rank {rank} {label}": seq for label, seq in event_regions(events, EAGER_SCHEDULED_PHASES).items()
-        }
-    return overlap_result(name, regions, "forward regions")
+        own = event_regions(events, EAGER_SCHEDULED_PHASES)
+        wrong += layer_problems(rank, own, records.moe_layers or [])
+        regions |= {f"logical rank {rank} step {s} {p} layer {layer}": seq for (s, p, layer), seq in own.items()}
+    return overlap_result(name, regions, "forward regions", wrong)
 
 
 def _no_overlap_promised(spec: ArmSpec) -> str | None:

@@ -3,6 +3,11 @@
 One metrics.jsonl line per optimizer update: every batch applied exactly once (``exactly-once``),
 the gradient ages the pipeline's delay implies (``staleness-ages``), and sane importance-correction
 statistics (``correction-stats``). Each check reads one versioned arm at a time.
+
+A correction whose clip never binds cannot show that the clip works: a clip of 50 where the arm
+asks for 5 passes on weights that never reach 5. ``min_clipped_frac`` makes ``correction-stats``
+prove the clip acted: every stale update must have clipped at least that fraction of its tokens
+(an arm with a binding clip, say ``correction_clip = 1.01``).
 """
 
 from __future__ import annotations
@@ -106,7 +111,11 @@ def _stat_problem(value: object, lo: float, hi: float) -> str | None:
 
 
 def check_correction_stats(
-    updates: list[Update], correction: str, delay: int, clip: float = CORRECTION_CLIP
+    updates: list[Update],
+    correction: str,
+    delay: int,
+    clip: float = CORRECTION_CLIP,
+    min_clipped_frac: float | None = None,
 ) -> CheckResult:
     """Reports the importance correction's mean weight and clipped fraction per step.
 
@@ -115,7 +124,8 @@ def check_correction_stats(
     ``always`` must report statistics at every step and, with a delay, weights that differ from 1
     on the stale updates (a weight stuck at exactly 1 is a correction never applied);
     ``when_available`` must report them at least once. A step without statistics under
-    ``when_available`` (no applied batch had current logprobs) is reported, not failed.
+    ``when_available`` (no applied batch had current logprobs) is reported, not failed. With
+    ``min_clipped_frac``, every stale update must have clipped at least that fraction of its tokens.
     """
     if correction == "off":
         raise ValueError("check_correction_stats: correction is off, there is nothing to check")
@@ -138,8 +148,10 @@ def check_correction_stats(
     reported = [row for row in per_step if row["mean"] is not None]
     if not reported and not problems:
         problems.append((None, f"no step of {len(per_step)} reported correction statistics under {correction}"))
+    stale = [row for row, u in zip(per_step, ordered) if any(age > 0 for age in u.get("ages") or [])]
+    if min_clipped_frac is not None and not problems:
+        problems += _unclipped(stale, clip, min_clipped_frac)
     if correction == "always" and delay > 0 and not problems:
-        stale = [row for row, u in zip(per_step, ordered) if any(age > 0 for age in u.get("ages") or [])]
         if not stale:
             problems.append((None, f"no stale update among {len(per_step)} at delay {delay}: nothing was corrected"))
         elif all(row["mean"] == 1.0 for row in stale):
@@ -159,9 +171,27 @@ def check_correction_stats(
         f" clipped fraction at most {max(row['clipped_frac'] for row in reported):.3g},"
         f" at steps {format_steps([row['step'] for row in reported])}"
     ]
+    if min_clipped_frac is not None:
+        least = min(row["clipped_frac"] for row in stale)
+        parts.append(f"clipped at least {least:.3g} at every stale step (min_clipped_frac {min_clipped_frac:g})")
     if absent:
         parts.append(f"no corrected tokens at steps {format_steps(absent)}")
     return CheckResult(CORRECTION_STATS, CORRECTION_STATS, "pass", "; ".join(parts), extra={"per_step": per_step})
+
+
+def _unclipped(stale: list[dict], clip: float, min_clipped_frac: float) -> list[Problem]:
+    """The stale steps whose clipped fraction is under ``min_clipped_frac``: the clip did not act there."""
+    if not stale:
+        return [(None, f"no stale update: no clip to see acting (min_clipped_frac {min_clipped_frac:g})")]
+    return [
+        (
+            row["step"],
+            f"step {row['step']}: clipped fraction {row['clipped_frac']!r} under min_clipped_frac"
+            f" {min_clipped_frac:g}: the clip at {clip:g} did not act",
+        )
+        for row in stale
+        if row["clipped_frac"] is None or row["clipped_frac"] < min_clipped_frac
+    ]
 
 
 def _versioned_arms(
@@ -180,17 +210,19 @@ def _versioned_arms(
 
     wanted = "a versioned arm with a correction" if corrected else f"a versioned arm (one that sets {fields})"
     return qualifying_arms(v, raw, dotted, arms, problem, wanted)
-    chosen = v.str_list(raw["arms"], f"{dotted}.arms", list(arms))
-    for i, arm in enumerate(chosen):
-        if reason := problem(arms[arm]):
-            raise v.error(f"{dotted}.arms.{i}", f'arm "{arm}" {reason}')
-    return chosen
 
 
 def parse(kind: str, raw: dict, dotted: str, v: SuiteReader, arms: dict[str, ArmSpec]) -> CheckSpec:
-    v.table(raw, dotted, ("kind", "name", "arms"))
+    """``min_clipped_frac`` (correction-stats only): a fraction in (0, 1] every stale update must clip."""
+    v.table(raw, dotted, ("kind", "name", "arms", *(["min_clipped_frac"] if kind == CORRECTION_STATS else [])))
     name = v.check_name(raw["name"], f"{dotted}.name") if "name" in raw else kind
-    return CheckSpec(kind, name, _versioned_arms(raw, dotted, v, arms, kind == CORRECTION_STATS))
+    options = {}
+    if "min_clipped_frac" in raw:
+        fraction = v.typed(raw["min_clipped_frac"], f"{dotted}.min_clipped_frac", float, True)
+        if fraction > 1:
+            raise v.error(f"{dotted}.min_clipped_frac", f"expected a fraction in (0, 1], got {fraction:g}")
+        options["min_clipped_frac"] = fraction
+    return CheckSpec(kind, name, _versioned_arms(raw, dotted, v, arms, kind == CORRECTION_STATS), options=options)
 
 
 def run(check: CheckSpec, suite: SuiteSpec, records: dict[str, ArmRecords]) -> list[CheckResult]:
@@ -203,7 +235,8 @@ def run(check: CheckSpec, suite: SuiteSpec, records: dict[str, ArmRecords]) -> l
         elif check.kind == STALENESS_AGES:
             result = check_staleness_ages(updates, train["delay"])
         else:
-            result = check_correction_stats(updates, train["correction"], train["delay"], train["correction_clip"])
+            clip, least = train["correction_clip"], check.options.get("min_clipped_frac")
+            result = check_correction_stats(updates, train["correction"], train["delay"], clip, least)
         results.append(dataclasses.replace(result, name=f"{arm}: {check.name}"))
     return results
 

@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
-from harness.report.checks import problems_first, status_counts, tally
+from harness.report.checks import problems_first, status_counts, tally, verdict_label
 from harness.report.html import write_html
 from harness.report.junit import write_junit
 from harness.report.throughput import improvement_note, read_throughput
+from harness.verdict import NOT_EVALUATED, is_not_evaluated
 
 __all__ = ["format_verdict_table", "read_throughput", "write_html", "write_junit"]
 
@@ -14,7 +15,8 @@ def format_verdict_table(summary: dict) -> str:
     """A short aligned table of the checks under a one-line verdict, problems first.
 
     A throughput run whose B is much faster than its A says so under the verdict: that usually
-    means the baseline moved, and a green line alone would hide it.
+    means the baseline moved, and a green line alone would hide it. Checks not evaluated (their arm
+    never ran) are one row, naming the arms: the launch's own row above says why.
     """
     checks = problems_first(summary.get("checks", []))
     throughput = summary.get("throughput") or {}
@@ -22,13 +24,18 @@ def format_verdict_table(summary: dict) -> str:
     if throughput:
         steps = f"{throughput.get('blocks')} ABBA blocks of {steps}"
     head = (
-        f"{summary.get('suite')}: {str(summary.get('verdict')).upper()} (exit {summary.get('exit_code')})"
+        f"{summary.get('suite')}: {verdict_label(summary.get('verdict'))} (exit {summary.get('exit_code')})"
         f" - {len(checks)} checks, {summary.get('ranks')} ranks, {steps},"
         f" {float(summary.get('duration_s') or 0.0):.1f} s"
     )
     if note := improvement_note(throughput):
         head += f"\n  note: {note}"
-    rows = [(str(c.get("status", "?")).upper(), str(c.get("name", "?")), str(c.get("detail", ""))) for c in checks]
+    shown = [c for c in checks if not is_not_evaluated(c)]
+    rows = [(str(c.get("status", "?")).upper(), str(c.get("name", "?")), str(c.get("detail", ""))) for c in shown]
+    if unrun := [c for c in checks if is_not_evaluated(c)]:
+        arms = ", ".join(f"'{arm}'" for arm in dict.fromkeys(c["extra"][NOT_EVALUATED] for c in unrun))
+        at = len([c for c in shown if c.get("status") in ("error", "fail")])  # after the problems
+        rows.insert(at, ("ERROR", f"{len(unrun)} checks not evaluated", f"arms {arms}: never ran"))
     if not rows:
         return f"{head}\n  (no checks ran)"
     width_status = max(len(r[0]) for r in rows)

@@ -8,35 +8,41 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-# Worst first. "inconclusive" is a gate whose interval straddles its threshold: not a pass, not a regression.
-STATUS_ORDER = ("error", "fail", "inconclusive", "pass", "skip")
+from harness.verdict import FAILED_AS_EXPECTED, NOT_EVALUATED, STATUSES, is_not_evaluated, status_counts
+
 PROBLEMS = frozenset({"error", "fail", "inconclusive"})
 
 
 def _rank(check: dict) -> int:
-    """Errors, failures and inconclusive gates before everything else (passes and skips keep run order)."""
+    """Errors, failures and inconclusive gates before everything else (passes and skips keep run
+    order); checks not evaluated, errors that follow from another, after those."""
     status = check.get("status")
-    return STATUS_ORDER.index(status) if status in PROBLEMS else len(PROBLEMS)
+    if is_not_evaluated(check):
+        return len(PROBLEMS)
+    return STATUSES.index(status) if status in PROBLEMS else len(PROBLEMS) + 1
 
 
 def problems_first(checks: list[dict]) -> list[dict]:
-    """Errors, then failures, then inconclusive gates, then the rest, each in run order: what a
-    reviewer needs comes first."""
+    """Errors, then failures, then inconclusive gates, then checks not evaluated, then the rest, each
+    in run order: what a reviewer needs comes first."""
     return sorted(checks, key=_rank)
 
 
-def status_counts(checks: list[dict]) -> dict[str, int]:
-    """How many checks have each status, every status present (0 when none)."""
-    return {status: sum(c.get("status") == status for c in checks) for status in STATUS_ORDER}
-
-
 def tally(counts: dict[str, int]) -> str:
-    """One line of counts; inconclusive gates are named only when there are some, as most runs have none."""
+    """One line of counts; inconclusive gates, expected failures and checks not evaluated are named
+    only when there are some, as most runs have none."""
     inconclusive = f", {counts['inconclusive']} inconclusive" if counts.get("inconclusive") else ""
+    expected = f", {counts['xfail']} failed as expected" if counts.get("xfail") else ""
+    unrun = f" ({counts[NOT_EVALUATED]} not evaluated)" if counts.get(NOT_EVALUATED) else ""
     return (
-        f"{counts['pass']} passed, {counts['fail']} failed{inconclusive}, {counts['error']} errors,"
+        f"{counts['pass']} passed, {counts['fail']} failed{expected}{inconclusive}, {counts['error']} errors{unrun},"
         f" {counts['skip']} skipped"
     )
+
+
+def verdict_label(verdict: object) -> str:
+    """A verdict as the console and the report headline show it: "FAILED AS EXPECTED", "PASS"."""
+    return "failed as expected".upper() if verdict == FAILED_AS_EXPECTED else str(verdict).upper()
 
 
 @dataclass(frozen=True)
@@ -56,7 +62,7 @@ class CheckGroup:
     @property
     def summary(self) -> str:
         """e.g. "3 checks: 2 pass, 1 fail" - only the statuses present, worst first."""
-        parts = ", ".join(f"{self.counts[s]} {s}" for s in STATUS_ORDER if self.counts[s])
+        parts = ", ".join(f"{self.counts[s]} {s}" for s in STATUSES if self.counts[s])
         return f"{len(self.checks)} check{'s' if len(self.checks) != 1 else ''}: {parts}"
 
 

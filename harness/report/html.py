@@ -15,7 +15,7 @@ import jinja2
 import numpy as np
 import pandas as pd
 
-from harness.report.checks import group_by_kind, problems_first, status_counts, tally
+from harness.report.checks import group_by_kind, problems_first, status_counts, tally, verdict_label
 from harness.report.figures import integer_ticks, literal, new_figure, png_base64
 from harness.report.throughput import throughput_view
 from harness.report.timing import timing_view
@@ -179,6 +179,7 @@ def write_html(
     ]
     html = _TEMPLATES.get_template("report.html").render(
         summary=summary,
+        verdict=verdict_label(summary.get("verdict")),
         tally=tally(status_counts(checks)),
         groups=group_by_kind(checks),
         value_lines=_value_lines,

@@ -42,6 +42,7 @@ def junit_testsuite(summary: dict) -> ET.Element:
     synthetic "run" testcase in error, so CI never reads it as an empty, green suite. An inconclusive
     check (a gate whose interval straddles its threshold) is skipped with a message that starts
     "inconclusive:", never a silent pass; the run's exit code 4 is what tells CI to measure again.
+    A negative suite's expected failure is skipped too, of type "xfail", its detail "failed as expected: ...".
     """
     suite = str(summary.get("suite", "harness"))
     checks = list(summary.get("checks", []))
@@ -55,7 +56,7 @@ def junit_testsuite(summary: dict) -> ET.Element:
         tests=str(len(checks)),
         failures=str(counts["fail"]),
         errors=str(counts["error"]),
-        skipped=str(counts["skip"] + counts["inconclusive"]),
+        skipped=str(counts["skip"] + counts["inconclusive"] + counts["xfail"]),
         time=f"{float(summary.get('duration_s') or 0.0):.3f}",
     )
     for check in checks:
@@ -71,9 +72,11 @@ def junit_testsuite(summary: dict) -> ET.Element:
             element.text = _text(_failure_body(check))
         elif status == "skip":
             ET.SubElement(case, "skipped", message=detail)
-        elif status == "inconclusive":
-            # Not a pass and not a regression: CI shows it as not run, and the run's exit code 4 gates.
-            element = ET.SubElement(case, "skipped", message=f"inconclusive: {detail}")
+        elif status in ("inconclusive", "xfail"):
+            # inconclusive: not a pass and not a regression; CI shows it as not run, and exit code 4 gates.
+            # xfail: a negative suite's expected failure, skipped as pytest reports an xfail.
+            prefix = "inconclusive: " if status == "inconclusive" else ""
+            element = ET.SubElement(case, "skipped", message=f"{prefix}{detail}", type=status)
             element.text = _text(_failure_body(check))
     return testsuite
 

@@ -85,8 +85,9 @@ class GraphStep:
     """One traced train step, ready to run: ``step(params, buffers, *batch) -> (loss, grads)``.
 
     ``build`` says where the graph came from and what each stage cost: ``origin`` (``"trace"`` or
-    ``"cache"``), ``cache`` (``"off"``, ``"hit"``, ``"miss"`` or why an entry was unusable) and
-    ``seconds`` per stage (trace and passes, or load; then finish: the last passes and the checks).
+    ``"cache"``), ``cache`` (``"off"``, ``"hit"``, ``"miss"`` or why an entry was unusable), ``entry``
+    (the cache entry's path, with a cache) and ``seconds`` per stage (trace and passes, or load; then
+    finish: the last passes and the checks).
     """
 
     gm: fx.GraphModule
@@ -145,8 +146,9 @@ def build_graph_step(
 
     For ``"eager-traced"``, ``model`` must already be eagerly chunked the same way. With ``cache``,
     the scheduled graph is loaded from it when present and stored in it when traced; either way
-    the finishing passes and every static check run on it (:func:`finish_graph_step`). A graph
-    compiled with regional Inductor is never cached: Inductor needs the trace's fake values.
+    the finishing passes and every static check run on it (:func:`finish_graph_step`). An entry that
+    holds anything but a :class:`ScheduledGraph` is a miss. A graph compiled with regional Inductor
+    is never cached: Inductor needs the trace's fake values.
     """
     if mode not in ("graph", "eager-traced"):
         raise ValueError(f"mode must be 'graph' or 'eager-traced', got {mode!r}")
@@ -154,7 +156,7 @@ def build_graph_step(
         cache = None
     build: dict = {"cache": "off" if cache is None else "miss", "seconds": {}}
     began = time.perf_counter()
-    scheduled = cache.load() if cache is not None else None
+    scheduled = cache.load(ScheduledGraph) if cache is not None else None
     if scheduled is not None:
         build["origin"], build["seconds"]["load"] = "cache", time.perf_counter() - began
     else:
@@ -167,7 +169,7 @@ def build_graph_step(
         build["origin"] = "trace"
         build["seconds"].update(trace=traced_at - began, passes=time.perf_counter() - traced_at)
     if cache is not None:
-        build["cache"] = cache.status
+        build.update(cache=cache.status, entry=str(cache.path))
     finishing = time.perf_counter()
     step = finish_graph_step(scheduled, model, passes)
     build["seconds"]["finish"] = time.perf_counter() - finishing

@@ -1,0 +1,119 @@
+"""What a run's checks add up to: the verdict and the exit code, and the two facts about a check that
+its own family cannot know.
+
+* **Not evaluated.** A launch group whose rank failed ends the run, so its later arms, and every
+  group after it, never train. Their checks would fail on absent records ("recorded no PEC
+  events") and read like regressions of their own. They are errors marked ``not_evaluated``: never
+  a pass, counted apart, and left out of the exit code, which the launch's own check decides.
+* **Expected failures.** A negative suite (``expect = "fail"``, such as ``pec-legacy``) proves that
+  a check catches what it exists for. It passes when exactly its ``expected_failures`` fail, each
+  then ``xfail``, and everything else passes; an expected failure that passes, or never ran, fails
+  the run, and so does any other failure, as pytest's strict xfail does.
+
+Exit codes (ARCHITECTURE §8): 0 pass, 1 a check failed, 3 an error, 4 inconclusive.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import TYPE_CHECKING
+
+from harness.compare import CheckResult
+from harness.records import ArmRecords
+from harness.specs import SuiteSpec
+
+if TYPE_CHECKING:  # the reports read verdicts too, without the launcher's imports
+    from harness.launch import LaunchGroup, LaunchResult
+
+EXIT_PASS, EXIT_FAIL, EXIT_USAGE, EXIT_INFRA, EXIT_INCONCLUSIVE = 0, 1, 2, 3, 4
+# Worst first. "inconclusive": a gate whose interval straddles its threshold; "xfail": a check that
+# failed as its negative suite expects.
+STATUSES = ("error", "fail", "inconclusive", "xfail", "pass", "skip")
+# The verdict of a negative suite that failed exactly as it should; it exits 0.
+FAILED_AS_EXPECTED = "failed-as-expected"
+NOT_EVALUATED = "not_evaluated"  # CheckResult.extra key: the arm, never run, that left a check unjudged
+
+
+def is_not_evaluated(check: CheckResult | dict) -> bool:
+    """Whether a check (a result, or its summary.json form) judged an arm that never ran."""
+    extra = check.extra if isinstance(check, CheckResult) else check.get("extra") or {}
+    return bool(extra.get(NOT_EVALUATED))
+
+
+def verdict_of(checks: list[CheckResult]) -> tuple[str, int]:
+    """The run's verdict and exit code, worst first: error (3), fail (1), inconclusive (4), then a
+    negative suite's failed-as-expected or pass (0). Checks not evaluated do not count."""
+    statuses = {c.status for c in checks if not is_not_evaluated(c)}
+    if "error" in statuses:
+        return "error", EXIT_INFRA
+    if "fail" in statuses:
+        return "fail", EXIT_FAIL
+    if "inconclusive" in statuses:
+        return "inconclusive", EXIT_INCONCLUSIVE
+    if "xfail" in statuses:
+        return FAILED_AS_EXPECTED, EXIT_PASS
+    return "pass", EXIT_PASS
+
+
+def status_counts(checks: list[dict]) -> dict[str, int]:
+    """How many checks (summary.json's form) have each status, every status present (0 when none),
+    and how many of the errors are checks not evaluated (``not_evaluated``)."""
+    counts = {status: sum(c.get("status") == status for c in checks) for status in STATUSES}
+    return {**counts, NOT_EVALUATED: sum(map(is_not_evaluated, checks))}
+
+
+def unrun_arms(
+    suite: SuiteSpec, groups: list[LaunchGroup], launches: list[LaunchResult], records: dict[str, ArmRecords]
+) -> dict[str, str]:
+    """Arm -> why it never ran: it recorded no step, and its launch group failed or never started
+    because an earlier one failed. Empty when every launch succeeded."""
+    failed = next((r for r in launches if not r.ok), None)
+    if failed is None:
+        return {}
+    root = f" (root cause: rank {failed.root.rank})" if failed.root and not failed.timed_out else ""
+    cause = f"launch {failed.group.name} failed{root}"
+    launched = {r.group.name for r in launches}
+    why = {}
+    for group in groups:
+        ended = group.name == failed.group.name or group.name not in launched
+        for arm in group.arms if ended else ():
+            if arm in records and not records[arm].steps_done():
+                why[arm] = cause if group.name in launched else f"launch {group.name} never started: {cause}"
+    return why
+
+
+def mark_not_evaluated(checks: list[CheckResult], unrun: dict[str, str]) -> list[CheckResult]:
+    """Each check that judged an arm of ``unrun`` becomes an error "not evaluated: <why>"."""
+    marked = []
+    for check in checks:
+        arms = [arm for arm in check.arms if arm in unrun]
+        if not arms:
+            marked.append(check)
+            continue
+        detail = f"not evaluated: arm '{arms[0]}' never ran: {unrun[arms[0]]}"
+        marked.append(
+            CheckResult(check.name, check.kind, "error", detail, extra={NOT_EVALUATED: arms[0]}, arms=check.arms)
+        )
+    return marked
+
+
+def apply_expectations(suite: SuiteSpec, checks: list[CheckResult]) -> list[CheckResult]:
+    """A negative suite's checks: each expected failure that failed becomes ``xfail``, one that passed
+    fails, and one that no check produced fails as a check of kind ``expect``."""
+    if suite.expect != "fail":
+        return checks
+    expected = set(suite.expected_failures)
+    judged = []
+    for check in checks:
+        if check.name in expected and check.status == "fail":
+            check = dataclasses.replace(check, status="xfail", detail=f"failed as expected: {check.detail}")
+        elif check.name in expected and check.status == "pass":
+            check = dataclasses.replace(check, status="fail", detail=f"expected to fail, but passed: {check.detail}")
+        judged.append(check)
+    seen = {c.name for c in checks}
+    failing = ", ".join(f"'{c.name}'" for c in judged if c.status == "fail") or "none"
+    for name in suite.expected_failures:
+        if name not in seen:
+            detail = f"expected '{name}' to fail, but no check of that name ran (other failures: {failing})"
+            judged.append(CheckResult(f"expect: {name}", "expect", "fail", detail))
+    return judged
