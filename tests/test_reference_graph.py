@@ -17,6 +17,7 @@ from harness.checks.graph import (
     check_chunk_order,
     check_exchange_counts,
     check_launch_wait_pairs,
+    expected_regions,
     read_graph,
 )
 from harness.reference.chunking.checks import exchange_inventory
@@ -31,6 +32,7 @@ pytestmark = pytest.mark.filterwarnings("ignore:.*LeafSpec.*:FutureWarning")
 
 CONFIG = TrainConfig(ep=2, chunks=2)
 MOE_ROOTS = ["model.layers.1.mlp", "model.layers.2.mlp"]
+REGIONS = expected_regions("moe", [1, 2])
 STEPS = 3
 
 
@@ -162,7 +164,8 @@ def test_each_fault_fails_a_named_static_check(traced, model, fault: str, caught
         ("skip-buffer-pass", {"graph:buffer-sets"}),
         ("drop-wait", {"graph:launch-wait-pairs", "graph:exchange-counts", "graph:buffer-sets"}),
         ("forward-order-backward", {"graph:chunk-order"}),
-        ("clone-forward-only", {"graph:exchange-counts", "graph:buffer-sets"}),
+        # backward never chunked: its regions are missing from every per-region check
+        ("clone-forward-only", {"graph:exchange-counts", "graph:buffer-sets", "graph:chunk-order"}),
     ],
 )
 def test_the_exported_graph_of_each_fault_fails_the_harness_checks(traced, model, fault: str, caught_by) -> None:
@@ -171,8 +174,8 @@ def test_the_exported_graph_of_each_fault_fails_the_harness_checks(traced, model
     results = [
         check_exchange_counts(nodes, roots=MOE_ROOTS, chunks=2),
         check_launch_wait_pairs(nodes),
-        check_buffer_sets(nodes, num_buffer_sets=2),
-        check_chunk_order(nodes),
+        check_buffer_sets(nodes, num_buffer_sets=2, regions=REGIONS),
+        check_chunk_order(nodes, REGIONS),
     ]
     assert {r.name for r in results if r.status == "fail"} == caught_by, [r.detail for r in results]
 

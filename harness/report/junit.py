@@ -7,6 +7,7 @@ import xml.etree.ElementTree as ET
 from pathlib import Path
 
 from harness.report.checks import status_counts
+from harness.verdict import is_not_evaluated
 
 # Characters XML 1.0 cannot carry; a traceback in a detail must not make the whole file invalid.
 _INVALID_XML = re.compile("[^\u0009\u000a\u000d\u0020-\ud7ff\ue000-\ufffd\U00010000-\U0010ffff]")
@@ -43,6 +44,8 @@ def junit_testsuite(summary: dict) -> ET.Element:
     check (a gate whose interval straddles its threshold) is skipped with a message that starts
     "inconclusive:", never a silent pass; the run's exit code 4 is what tells CI to measure again.
     A negative suite's expected failure is skipped too, of type "xfail", its detail "failed as expected: ...".
+    A check not evaluated (its arm never ran) is an error of type "not-evaluated", apart from the
+    launch's own error, which names the cause.
     """
     suite = str(summary.get("suite", "harness"))
     checks = list(summary.get("checks", []))
@@ -66,9 +69,8 @@ def junit_testsuite(summary: dict) -> ET.Element:
         status = check.get("status")
         detail = _text(check.get("detail", ""))
         if status in ("fail", "error"):
-            element = ET.SubElement(
-                case, "failure" if status == "fail" else "error", message=detail, type=_text(check.get("kind", ""))
-            )
+            kind = "not-evaluated" if is_not_evaluated(check) else check.get("kind", "")
+            element = ET.SubElement(case, "failure" if status == "fail" else "error", message=detail, type=_text(kind))
             element.text = _text(_failure_body(check))
         elif status == "skip":
             ET.SubElement(case, "skipped", message=detail)
