@@ -4,11 +4,17 @@ A golden is owed only by the environment that recorded it. On CPUs, torch's kern
 vectorised loops, MKL's BLAS, oneDNN) dispatch on the widest vector ISA the machine has, so the
 same run differs in the 7th digit between an AVX-512 and an AVX2-only x86-64 machine. The harness
 therefore pins the ranks' kernels to AVX2 by default: every x86-64 server CPU of the last decade
-has it, and a golden recorded under the pin on one such machine checks bitwise on another.
-``--cpu-isa native`` opts out for native speed; its goldens are keyed by the ISA torch picks.
+has it. MKL promises the pinned code path's results only across CPUs of one vendor (its
+conditional numerical reproducibility is for Intel CPUs; on others it takes other paths), and
+measured so: an Intel Xeon under the pin parts from an AMD EPYC's golden at step 2 (grad norm,
+1.4e-6 relative). So the device class names the vendor, and a golden recorded under the pin on
+one machine checks bitwise on another of the same vendor, and at the cross-environment tier on
+another vendor's. ``--cpu-isa native`` opts out for native speed; its goldens are keyed by the
+ISA torch picks.
 
-Device classes: ``cpu-pinned-avx2`` (the default on x86-64 with AVX2), ``cpu-native-<isa>``
-(``--cpu-isa native``, or a CPU the pin cannot apply to), ``cuda-<gpu model>`` (``cuda-h200``).
+Device classes: ``cpu-pinned-avx2-<vendor>`` (the default on x86-64 with AVX2; vendor ``intel``,
+``amd`` or what /proc/cpuinfo names), ``cpu-native-<isa>-<vendor>`` (``--cpu-isa native``, or a CPU
+the pin cannot apply to), ``cuda-<gpu model>`` (``cuda-h200``).
 """
 
 from __future__ import annotations
@@ -46,6 +52,7 @@ class CpuPin:
     capability: str  # what ATen dispatches to in the ranks, lower case: "avx2", "avx512", ...
     env: dict[str, str] = field(default_factory=dict)  # exported to the ranks; empty when not pinned
     note: str | None = None  # why the requested pin does not apply here
+    vendor: str = "unknown"  # the CPU's maker (cpu_vendor): the same kernels round alike only on one vendor's CPUs
 
     @property
     def pinned(self) -> bool:
@@ -53,19 +60,41 @@ class CpuPin:
 
     @property
     def device_class(self) -> str:
-        return f"cpu-{'pinned' if self.pinned else 'native'}-{self.capability}"
+        return f"cpu-{'pinned' if self.pinned else 'native'}-{self.capability}-{self.vendor}"
 
     def to_dict(self) -> dict[str, Any]:
-        return {"requested": self.requested, "capability": self.capability, "env": dict(self.env), "note": self.note}
+        return {
+            "requested": self.requested,
+            "capability": self.capability,
+            "env": dict(self.env),
+            "note": self.note,
+            "vendor": self.vendor,
+        }
+
+
+# /proc/cpuinfo's vendor_id -> the vendor in a device class.
+VENDORS = {"GenuineIntel": "intel", "AuthenticAMD": "amd"}
+CPUINFO = Path("/proc/cpuinfo")
+
+
+def _cpuinfo(field_name: str) -> str:
+    """The first value of ``field_name`` in /proc/cpuinfo, "" where there is none."""
+    try:
+        text = CPUINFO.read_text()
+    except OSError:
+        return ""
+    line = next((line for line in text.splitlines() if line.split(":")[0].strip() == field_name), "")
+    return line.partition(":")[2].strip()
 
 
 def _cpu_flags() -> set[str]:
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return set()
-    line = next((line for line in text.splitlines() if line.startswith("flags")), "")
-    return set(line.partition(":")[2].split())
+    return set(_cpuinfo("flags").split())
+
+
+def cpu_vendor() -> str:
+    """``intel``, ``amd``, another vendor's id in lower case, or ``unknown``."""
+    vendor_id = _cpuinfo("vendor_id")
+    return VENDORS.get(vendor_id, vendor_id.lower() or "unknown")
 
 
 def cpu_pin(requested: str = "avx2") -> CpuPin:
@@ -76,14 +105,15 @@ def cpu_pin(requested: str = "avx2") -> CpuPin:
     """
     if requested not in CPU_ISAS:
         raise ValueError(f"--cpu-isa: expected one of {', '.join(CPU_ISAS)}, got {requested!r}")
-    native = torch.backends.cpu.get_cpu_capability().lower()
+    native, vendor = torch.backends.cpu.get_cpu_capability().lower(), cpu_vendor()
     if requested == "native":
-        return CpuPin("native", native)
+        return CpuPin("native", native, vendor=vendor)
     if platform.machine().lower() not in ("x86_64", "amd64"):
-        return CpuPin("avx2", native, note=f"the AVX2 pin needs x86-64, this is {platform.machine()}: running native")
+        note = f"the AVX2 pin needs x86-64, this is {platform.machine()}: running native"
+        return CpuPin("avx2", native, note=note, vendor=vendor)
     if not {"avx2", "fma"} <= _cpu_flags():
-        return CpuPin("avx2", native, note="this CPU lacks AVX2 or FMA: running native")
-    return CpuPin("avx2", "avx2", dict(AVX2_PIN))
+        return CpuPin("avx2", native, note="this CPU lacks AVX2 or FMA: running native", vendor=vendor)
+    return CpuPin("avx2", "avx2", dict(AVX2_PIN), vendor=vendor)
 
 
 def git_sha() -> str | None:
@@ -111,7 +141,7 @@ def versions() -> dict[str, str | None]:
 
 
 def device_class(device: str, pin: CpuPin | None = None) -> str:
-    """ "cpu-pinned-avx2", "cpu-native-avx512", or "cuda-<gpu model>" such as "cuda-h200"."""
+    """ "cpu-pinned-avx2-intel", "cpu-native-avx512-amd", or "cuda-<gpu model>" such as "cuda-h200"."""
     if device == "cuda":
         return "cuda-" + torch.cuda.get_device_name(0).lower().removeprefix("nvidia ").split()[0]
     return (pin or cpu_pin()).device_class

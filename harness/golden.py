@@ -76,10 +76,10 @@ def _slug(what: str, value: str) -> str:
 
 
 def env_key(device: str, backend: str, dtype: str, torch_version: str) -> str:
-    """Names the environment a golden is valid for: "cpu-pinned-avx2-gloo-float32-torch2.13",
+    """Names the environment a golden is valid for: "cpu-pinned-avx2-intel-gloo-float32-torch2.13",
     "cuda-h200-nccl-bfloat16-torch2.13".
 
-    device is the device class ("cpu-avx512", or a GPU class such as "cuda-h200"); only torch's
+    device is the device class ("cpu-pinned-avx2-amd", or a GPU class such as "cuda-h200"); only torch's
     major.minor counts, since patch releases rarely move numerics and would churn goldens.
     """
     match = re.match(r"(\d+)\.(\d+)", torch_version)
