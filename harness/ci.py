@@ -55,6 +55,7 @@ from harness.run import (
     harness_log,
     run_suite,
 )
+from harness.rundir import HARNESS_LOG, JUNIT, LOGS_DIR, REPORT, SUMMARY
 from harness.specs import SuiteSpec
 from harness.verdict import EXIT_FAIL, EXIT_INCONCLUSIVE, EXIT_INFRA, EXIT_PASS, EXIT_USAGE
 
@@ -132,7 +133,7 @@ def make_gate_dir(out: Path | None) -> Path:
         raise UsageError(f"--out {path}: exists and is not an empty directory")
     try:
         path.mkdir(parents=True, exist_ok=True)
-        (path / "logs").mkdir()
+        (path / LOGS_DIR).mkdir()
     except OSError as e:
         raise UsageError(f"--out {path}: cannot create the gate directory: {e.strerror}") from None
     return path
@@ -207,19 +208,19 @@ def run_attempt(
         return Attempt(number, EXIT_USAGE, "usage", None, time.monotonic() - start, error=str(e))
     except Exception as e:
         log.exception("%s attempt %d: internal error", suite.name, number)
-        message = f"internal error: {type(e).__name__}: {e} (traceback: {gate_dir / 'logs' / 'harness.log'})"
+        message = f"internal error: {type(e).__name__}: {e} (traceback: {gate_dir / HARNESS_LOG})"
         print(f"error: {message}", file=err)
         shown = str(relative) if run_dir.is_dir() else None
         return Attempt(number, EXIT_INFRA, "error", shown, time.monotonic() - start, error=message)
     summary = _summary(run_dir)
     verdict = summary.get("verdict", verdict_of_code(code))
-    report = str(relative / "report.html") if (run_dir / "report.html").is_file() else None
+    report = str(relative / REPORT) if (run_dir / REPORT).is_file() else None
     return Attempt(number, code, verdict, str(relative), time.monotonic() - start, summary.get("error"), report)
 
 
 def _summary(run_dir: Path) -> dict:
     try:
-        return json.loads((run_dir / "summary.json").read_text())
+        return json.loads((run_dir / SUMMARY).read_text())
     except (OSError, ValueError):
         return {}
 
@@ -233,7 +234,7 @@ def write_gate(gate_dir: Path, gate: dict, outcomes: list[SuiteOutcome], exit_co
         "suites": [o.to_dict() for o in outcomes],
     }
     write_json_atomic(gate_dir / "ci.json", record)
-    write_merged_junit(gate_dir / "junit.xml", [t for o in outcomes for t in _testsuites(gate_dir, o, gate)])
+    write_merged_junit(gate_dir / JUNIT, [t for o in outcomes for t in _testsuites(gate_dir, o, gate)])
     write_ci_index(gate_dir / "index.html", record)
 
 
@@ -247,7 +248,7 @@ def _testsuites(gate_dir: Path, outcome: SuiteOutcome, gate: dict) -> list[ET.El
         reason = f"not run: the gate stopped{why} before this suite"
         return [junit_testsuite({"suite": outcome.suite, "checks": [_run_case("skip", reason)]})]
     if final.run_dir is not None:
-        path = gate_dir / final.run_dir / "junit.xml"
+        path = gate_dir / final.run_dir / JUNIT
         try:
             return read_testsuites(path)
         except (OSError, ET.ParseError) as e:

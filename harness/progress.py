@@ -33,6 +33,8 @@ from rich.progress import (
 from rich.progress import Progress as RichProgress
 from rich.text import Text
 
+from harness.rundir import THROUGHPUT, arm_files
+
 # A line's state, and how it reads where no ETA shows. "running" shows the ETA instead.
 _STATE_LABELS = {
     "waiting": ("waiting", "dim"),
@@ -172,7 +174,7 @@ class Progress:
         self, run_dir: Path, arms: list[str], steps: int, stream: TextIO = sys.stdout, verbose: bool = False
     ) -> None:
         self.arms, self.steps, self.stream = arms, steps, stream
-        self._metrics = {arm: _JsonlTail(run_dir / "arms" / arm / "metrics.jsonl") for arm in arms}
+        self._metrics = {arm: _JsonlTail(arm_files(run_dir, arm).metrics) for arm in arms}
         self._done = dict.fromkeys(arms, 0)
         self._latest: dict[str, dict] = {}  # each arm's last metrics record
         console = _live_console(stream, verbose)
@@ -248,7 +250,7 @@ class BlockProgress:
         self, run_dir: Path, arms: dict[str, str], blocks: int, stream: TextIO = sys.stdout, verbose: bool = False
     ) -> None:
         self.arms, self.blocks, self.stream = arms, blocks, stream
-        self._throughput = _JsonlTail(run_dir / "throughput.jsonl")
+        self._throughput = _JsonlTail(run_dir / THROUGHPUT)
         self._step_times: dict[str, list[float]] = {role: [] for role in arms}
         self._last_block = dict.fromkeys(arms, 0)
         console = _live_console(stream, verbose)

@@ -20,6 +20,8 @@ from pathlib import Path
 from types import TracebackType
 from typing import TYPE_CHECKING, Any
 
+from harness.rundir import arm_files
+
 if TYPE_CHECKING:
     import pandas as pd
 
@@ -200,28 +202,28 @@ def _read_if_there(path: Path) -> list[dict]:
 
 def read_arm(run_dir: Path, arm: str, logical_ranks: int) -> ArmRecords:
     """Reads ``arms/<arm>/``; a missing file reads as empty, an unreadable one sets ``error``."""
-    arm_dir = Path(run_dir) / "arms" / arm
+    files = arm_files(run_dir, arm)
     records = ArmRecords()
     try:
-        if (arm_dir / "metrics.jsonl").is_file():
-            records.updates = read_jsonl(arm_dir / "metrics.jsonl")
-            records.metrics = read_metrics_records(records.updates, arm_dir / "metrics.jsonl")
-        if (arm_dir / "arm.json").is_file():
-            arm_info = json.loads((arm_dir / "arm.json").read_text())
+        if files.metrics.is_file():
+            records.updates = read_jsonl(files.metrics)
+            records.metrics = read_metrics_records(records.updates, files.metrics)
+        if files.arm.is_file():
+            arm_info = json.loads(files.arm.read_text())
             records.moe_layers = arm_info.get("moe_layers")
             records.cpu_capability = arm_info.get("cpu_capability")
-        if (arm_dir / "graph.json").is_file():
-            records.graph = json.loads((arm_dir / "graph.json").read_text())
-        if (arm_dir / "fidelity.jsonl").is_file():
-            records.fidelity = read_jsonl(arm_dir / "fidelity.jsonl")
+        if files.graph.is_file():
+            records.graph = json.loads(files.graph.read_text())
+        if files.fidelity.is_file():
+            records.fidelity = read_jsonl(files.fidelity)
         for logical_rank in range(logical_ranks):
-            records.events[logical_rank] = _read_if_there(arm_dir / f"events.rank{logical_rank}.jsonl")
-            records.ranks[logical_rank] = _read_if_there(arm_dir / f"ranks.rank{logical_rank}.jsonl")
-            records.pec[logical_rank] = _read_if_there(arm_dir / f"pec.rank{logical_rank}.jsonl")
-            weights = arm_dir / f"weights.rank{logical_rank}.json"
+            records.events[logical_rank] = _read_if_there(files.events(logical_rank))
+            records.ranks[logical_rank] = _read_if_there(files.ranks(logical_rank))
+            records.pec[logical_rank] = _read_if_there(files.pec(logical_rank))
+            weights = files.weights(logical_rank)
             if weights.is_file():
                 records.final_weights[logical_rank] = json.loads(weights.read_text())
-        records.digests = _read_if_there(arm_dir / "digests.jsonl")
+        records.digests = _read_if_there(files.digests)
     except (RecordError, OSError, ValueError) as e:
         records.error = f"unreadable records of arm '{arm}': {e}"
     return records

@@ -60,6 +60,7 @@ from harness.records import (
 from harness.reference.chunking.trace_cache import TraceCacheError, open_cache
 from harness.report import format_verdict_table, read_throughput, write_html, write_junit
 from harness.report.figures import import_in_background
+from harness.rundir import HARNESS_LOG, JUNIT, LOGS_DIR, MANIFEST, REPORT, SUMMARY, arm_files
 from harness.shipped import shipped_dir
 from harness.specs import SuiteSpec
 from harness.throughput import judge_throughput, plan_throughput_launches
@@ -161,7 +162,7 @@ def make_run_dir(suite: SuiteSpec, out: Path | None) -> Path:
             raise UsageError(f"--out {out}: exists and is not an empty directory")
         try:
             out.mkdir(parents=True, exist_ok=True)
-            (out / "logs").mkdir()
+            (out / LOGS_DIR).mkdir()
         except OSError as e:
             raise UsageError(f"--out {out}: cannot create the run directory: {e.strerror}") from None
         return out
@@ -175,7 +176,7 @@ def make_run_dir(suite: SuiteSpec, out: Path | None) -> Path:
                 path.mkdir()
             except FileExistsError:
                 continue
-            (path / "logs").mkdir()
+            (path / LOGS_DIR).mkdir()
             return path
     except OSError as e:
         raise UsageError(f"{base}: cannot create a run directory ({e.strerror}); choose one with --out DIR") from None
@@ -185,7 +186,7 @@ def make_run_dir(suite: SuiteSpec, out: Path | None) -> Path:
 @contextmanager
 def harness_log(run_dir: Path) -> Iterator[Path]:
     """The harness's own log for one run, logs/harness.log: decisions, and every traceback."""
-    path = run_dir / "logs" / "harness.log"
+    path = run_dir / HARNESS_LOG
     handler = QuietFileHandler(path)
     handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(message)s"))
     log.addHandler(handler)
@@ -472,7 +473,7 @@ def prepare_run(
         options = dataclasses.replace(options, trace_cache=trace_cache)
         groups = plan_groups(suite)
         manifest = build_manifest(suite, options, key, pin, golden, groups)
-        write_json_atomic(run_dir / "manifest.json", manifest)
+        write_json_atomic(run_dir / MANIFEST, manifest)
         for line in filter(None, [pin.note if pin else None, golden.note, cache_note]):
             print(line, file=out)
             log.info(line)
@@ -486,7 +487,7 @@ def read_prepared(run_dir: Path, suite: SuiteSpec, options: RunOptions) -> Prepa
     """A prepared run read back from its manifest.json (``harness collect``), ``suite`` being the
     suite loaded again: it must be the one the manifest recorded, or the judging would differ."""
     try:
-        manifest = json.loads((run_dir / "manifest.json").read_text())
+        manifest = json.loads((run_dir / MANIFEST).read_text())
         recorded, launches, golden = manifest["suite"], manifest["launches"], manifest["golden"]
     except (OSError, ValueError, KeyError, TypeError) as e:
         raise UsageError(f"{run_dir}: not a readable run directory: {e}") from None
@@ -644,11 +645,11 @@ def finish(
     for attempt in range(2):
         try:
             summary["timing"] = run_timing(run_dir, phases)
-            write_json_atomic(run_dir / "summary.json", summary)
+            write_json_atomic(run_dir / SUMMARY, summary)
             with phases.phase("report"):
                 write_reports(run_dir, summary, metrics, golden, manifest, read_throughput(run_dir))
             summary["timing"] = run_timing(run_dir, phases)
-            write_json_atomic(run_dir / "summary.json", summary)
+            write_json_atomic(run_dir / SUMMARY, summary)
             return summary["exit_code"]
         except Cancelled as c:
             mark_cancelled(summary, c)
@@ -689,11 +690,11 @@ def write_reports(
     throughput: pd.DataFrame | None,
 ) -> None:
     """junit.xml, then report.html (the slow one), from a run's summary and records."""
-    with naming_file(run_dir / "junit.xml"):
-        write_junit(run_dir / "junit.xml", summary)
-    with naming_file(run_dir / "report.html"):
+    with naming_file(run_dir / JUNIT):
+        write_junit(run_dir / JUNIT, summary)
+    with naming_file(run_dir / REPORT):
         write_html(
-            run_dir / "report.html",
+            run_dir / REPORT,
             summary,
             metrics,
             golden=golden_frames(golden),
@@ -712,12 +713,12 @@ def golden_frames(golden: Golden | None) -> dict[str, pd.DataFrame] | None:
 def rerender(run_dir: Path, out: TextIO = sys.stdout) -> int:
     """``harness report RUN_DIR``: rebuild report.html and junit.xml from what the run left."""
     try:
-        summary = json.loads((run_dir / "summary.json").read_text())
-        manifest = json.loads((run_dir / "manifest.json").read_text())
+        summary = json.loads((run_dir / SUMMARY).read_text())
+        manifest = json.loads((run_dir / MANIFEST).read_text())
         metrics = {
-            arm: read_metrics(run_dir / "arms" / arm / "metrics.jsonl")
+            arm: read_metrics(arm_files(run_dir, arm).metrics)
             for arm in manifest["suite"]["arms"]
-            if (run_dir / "arms" / arm / "metrics.jsonl").is_file()
+            if arm_files(run_dir, arm).metrics.is_file()
         }
         compared = manifest["golden"].get("compared")
         golden = load_golden(Path(compared)) if compared and os.path.isfile(compared) else None

@@ -24,9 +24,9 @@ from harness.abba import BLOCK, PairedRatio, paired_ratio, relative_iqr
 from harness.compare import CheckResult
 from harness.launch import LaunchGroup
 from harness.records import RecordError, read_jsonl
+from harness.rundir import THROUGHPUT
 from harness.specs import SuiteSpec, ThroughputSpec
 
-RECORDS = "throughput.jsonl"
 SERIES = ("main", "control")
 # B this much faster than A (step time ratio under 1 / (1 + this)) usually means the baseline
 # moved, not that the change is a gift: the report says so prominently.
@@ -129,7 +129,7 @@ def judge_throughput(suite: SuiteSpec, run_dir: Path, groups: list[LaunchGroup])
     spec = suite.throughput
     threshold = 1 + spec.max_slowdown
     try:
-        rows = read_jsonl(run_dir / RECORDS) if (run_dir / RECORDS).is_file() else []
+        rows = read_jsonl(run_dir / THROUGHPUT) if (run_dir / THROUGHPUT).is_file() else []
     except RecordError as e:
         rows, unreadable = [], str(e)
     else:

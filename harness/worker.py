@@ -55,7 +55,7 @@ from torch.distributed.elastic.multiprocessing.errors import ErrorHandler, recor
 
 import harness
 from harness.digests import HASH_EVERY, digest_all, final_weights, parameters_hash
-from harness.phases import PhaseLog, rank_phases_path
+from harness.phases import PhaseLog
 from harness.records import JsonlWriter, write_json_atomic
 from harness.reference.chunking.trace_cache import GraphCache
 from harness.reference.delayed_oracle import DelayedOracleTrainer
@@ -63,6 +63,7 @@ from harness.reference.ep.exchange import EventSink
 from harness.reference.pec import PECConfig, PECSink, PECTrainer
 from harness.reference.pipeline import PipelineConfig, VersionedTrainer
 from harness.reference.train import GradSink, RankUpdate, TrainConfig, Trainer, UpdateSink
+from harness.rundir import MANIFEST, THROUGHPUT, ArmFiles, arm_files, phases_file
 from harness.specs import train_config
 
 if TYPE_CHECKING:
@@ -205,20 +206,20 @@ def updates(trainer: Trainer, steps: int, before_step: Callable[[int], bool]) ->
             yield {**result, "step": result["step"] + 1} if versioned else result
 
 
-class _ArmFiles:
-    """The record files of one arm, opened on first write. Logical ranks call from their own
-    threads; each file is written by one thread only (its logical rank's)."""
+class _ArmWriters:
+    """The streamed record files of one arm, each opened on its first line. Logical ranks call from
+    their own threads; each file is written by one thread only (its logical rank's)."""
 
-    def __init__(self, arm_dir: Path, stack: contextlib.ExitStack) -> None:
-        self._arm_dir, self._stack = arm_dir, stack
-        self._writers: dict[str, JsonlWriter] = {}
+    def __init__(self, stack: contextlib.ExitStack) -> None:
+        self._stack = stack
+        self._writers: dict[Path, JsonlWriter] = {}
         self._opening = threading.Lock()
 
-    def write(self, name: str, record: dict) -> None:
-        if name not in self._writers:
+    def write(self, path: Path, record: dict) -> None:
+        if path not in self._writers:
             with self._opening:
-                self._writers[name] = self._stack.enter_context(JsonlWriter(self._arm_dir / name))
-        self._writers[name].write(record)
+                self._writers[path] = self._stack.enter_context(JsonlWriter(path))
+        self._writers[path].write(record)
 
 
 class _RankRecorder:
@@ -228,8 +229,8 @@ class _RankRecorder:
     Steps are numbered as :func:`updates` numbers them: a versioned trainer counts its updates from 0.
     """
 
-    def __init__(self, files: _ArmFiles, steps: int, versioned: bool) -> None:
-        self._files, self._steps = files, steps
+    def __init__(self, files: ArmFiles, writers: _ArmWriters, steps: int, versioned: bool) -> None:
+        self._files, self._writers, self._steps = files, writers, steps
         self._offset = 1 if versioned else 0
         self._grad_digests: dict[int, dict[str, list]] = {}  # logical rank 0's, until its update
 
@@ -242,11 +243,11 @@ class _RankRecorder:
         record: dict[str, Any] = {"step": step, "loss": update.loss, "grad_norm": update.grad_norm}
         if step % HASH_EVERY == 0 or step == self._steps:
             record["replicated_hash"] = parameters_hash(update.replicated.values())
-        self._files.write(f"ranks.rank{logical_rank}.jsonl", record)
+        self._writers.write(self._files.ranks(logical_rank), record)
         if logical_rank == 0:
             params = digest_all({**update.replicated, **update.experts})
             grads = self._grad_digests.pop(step, {})
-            self._files.write("digests.jsonl", {"step": step, "grads": grads, "params": params})
+            self._writers.write(self._files.digests, {"step": step, "grads": grads, "params": params})
 
 
 def make_trainer(
@@ -288,26 +289,24 @@ def run_arm(
     steps and finish are three phases."""
     train = spec["train"]
     rank = dist.get_rank()
-    arm_dir = run_dir / "arms" / arm
+    files = arm_files(run_dir, arm)
     config = train_config(train)
     random.seed(config.seed)
     torch.manual_seed(config.seed)
     with contextlib.ExitStack() as stack:
-        files = _ArmFiles(arm_dir, stack)
-        recorder = _RankRecorder(files, steps, isinstance(config, PipelineConfig))
-        metrics = stack.enter_context(JsonlWriter(arm_dir / "metrics.jsonl")) if rank == 0 else None
-        fidelity = (
-            stack.enter_context(JsonlWriter(arm_dir / "fidelity.jsonl")) if rank == 0 and spec["oracle"] else None
-        )
+        writers = _ArmWriters(stack)
+        recorder = _RankRecorder(files, writers, steps, isinstance(config, PipelineConfig))
+        metrics = stack.enter_context(JsonlWriter(files.metrics)) if rank == 0 else None
+        fidelity = stack.enter_context(JsonlWriter(files.fidelity)) if rank == 0 and spec["oracle"] else None
         with phases.phase("build", arm=arm) as build:
             trainer = make_trainer(
                 config,
                 spec["oracle"],
-                event_sink=lambda logical_rank, event: files.write(f"events.rank{logical_rank}.jsonl", event),
+                event_sink=lambda logical_rank, event: writers.write(files.events(logical_rank), event),
                 grad_sink=recorder.grads,
                 update_sink=recorder.update,
                 fidelity_sink=fidelity.write if fidelity else None,
-                pec_sink=lambda logical_rank, event: files.write(f"pec.rank{logical_rank}.jsonl", event),
+                pec_sink=lambda logical_rank, event: writers.write(files.pec(logical_rank), event),
                 steps=steps,
                 trace_cache=trace_cache,
             )
@@ -316,7 +315,7 @@ def run_arm(
                 build["graph"] = trainer.graph_build
         if rank == 0:
             write_json_atomic(
-                arm_dir / "arm.json",
+                files.arm,
                 {
                     "moe_layers": list(trainer.moe_layers),
                     "train": train,
@@ -324,7 +323,7 @@ def run_arm(
                 },
             )
             if trainer.graph_export is not None:
-                write_json_atomic(arm_dir / "graph.json", trainer.graph_export)
+                write_json_atomic(files.graph, trainer.graph_export)
         updates_done = 0
         with phases.phase("steps", arm=arm) as detail:
             for result in updates(trainer, steps, lambda step: _inject_fault(debug, arm, step, rank)):
@@ -341,7 +340,7 @@ def run_arm(
             if isinstance(trainer, Trainer):  # the reference's own trainers: their replicas hold the weights
                 for logical_rank, replica in trainer.replicas.items():
                     digest = final_weights(replica.model, updates_done)
-                    write_json_atomic(arm_dir / f"weights.rank{logical_rank}.json", digest)
+                    write_json_atomic(files.weights(logical_rank), digest)
 
 
 def _peak_memory_reset(device: str) -> None:
@@ -432,7 +431,7 @@ def measure_throughput(
         with phases.phase("warmup"):
             for copy in copies.values():
                 copy.run(spec["warmup"])
-        writer = stack.enter_context(JsonlWriter(run_dir / "throughput.jsonl")) if dist.get_rank() == 0 else None
+        writer = stack.enter_context(JsonlWriter(run_dir / THROUGHPUT)) if dist.get_rank() == 0 else None
         with phases.phase("blocks"):
             for m in measurements:
                 trainer = copies[m["copy"]]
@@ -468,11 +467,11 @@ def main(argv: list[str]) -> None:
     _die_with_parent()
     faulthandler.register(signal.SIGUSR1, all_threads=True)  # the watchdog's stack dump
     run_dir, group_name = Path(argv[0]), argv[1]
-    manifest = json.loads((run_dir / "manifest.json").read_text())
+    manifest = json.loads((run_dir / MANIFEST).read_text())
     group = next(g for g in manifest["launches"] if g["name"] == group_name)
     suite = manifest["suite"]
     trace_cache = GraphCache(Path(manifest["trace_cache"])) if manifest["trace_cache"] else None
-    with JsonlWriter(rank_phases_path(run_dir, group_name, int(os.environ["RANK"]))) as phase_file:
+    with JsonlWriter(phases_file(run_dir, group_name, int(os.environ["RANK"]))) as phase_file:
         phases = PhaseLog(phase_file.write)
         phases.add("imports", harness.IMPORTED_AT, entered)
         with phases.phase("rendezvous"):

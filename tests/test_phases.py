@@ -8,8 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from harness.phases import PhaseLog, rank_phases_path, read_rank_phases, timeline
+from harness.phases import PhaseLog, read_rank_phases, timeline
 from harness.report.timing import timing_view
+from harness.rundir import phases_file
 
 
 def harness_phases(launch: tuple[float, float]) -> list[dict]:
@@ -53,7 +54,7 @@ def test_a_launch_without_rank_records_is_one_segment() -> None:
 
 
 def test_a_failed_phase_is_recorded_and_the_error_passes_through(tmp_path: Path) -> None:
-    path = rank_phases_path(tmp_path, "g", 3)
+    path = phases_file(tmp_path, "g", 3)
     path.parent.mkdir()
     with path.open("w") as sink:
 

@@ -16,7 +16,7 @@ import pandas as pd
 
 from harness.records import read_jsonl
 from harness.report.figures import integer_ticks, literal, new_figure, png_base64
-from harness.throughput import RECORDS
+from harness.rundir import THROUGHPUT
 
 _SERIES_ORDER = ("main", "control")
 _MIB = 2**20
@@ -28,7 +28,7 @@ def read_throughput(run_dir: Path) -> pd.DataFrame | None:
     Raises :class:`~harness.records.RecordError` when the file is corrupt (a line cut short by a
     crash at the very end is dropped, as for every streamed record).
     """
-    path = Path(run_dir) / RECORDS
+    path = Path(run_dir) / THROUGHPUT
     return pd.DataFrame(read_jsonl(path)) if path.is_file() else None
 
 
@@ -294,5 +294,5 @@ def throughput_view(t: dict, frame: pd.DataFrame | None) -> ThroughputView:
         ratio_plot=_ratio_plot(t, threshold),
         distribution_plot=_distribution_plot(frame) if measured else None,
         blocks=_block_rows(frame, t) if measured else [],
-        missing=None if measured else f"{RECORDS} holds no measurements: no per-block values to show",
+        missing=None if measured else f"{THROUGHPUT} holds no measurements: no per-block values to show",
     )
