@@ -11,9 +11,31 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+import jsonschema
 import pytest
 
+from harness.records import read_jsonl
+
 REPO = Path(__file__).resolve().parent.parent
+SCHEMAS = REPO / "docs" / "schema"
+
+
+def _validator(name: str) -> jsonschema.Draft202012Validator:
+    return jsonschema.Draft202012Validator(json.loads((SCHEMAS / name).read_text()))
+
+
+SUMMARY_SCHEMA, METRICS_LINE_SCHEMA = _validator("summary.schema.json"), _validator("metrics-line.schema.json")
+
+
+def valid_summary(run_dir: Path) -> dict:
+    """summary.json of a run, checked against its published JSON Schema, and so is every line of its
+    arms' metrics.jsonl: what a dashboard reads must be what the docs say."""
+    summary = json.loads((run_dir / "summary.json").read_text())
+    SUMMARY_SCHEMA.validate(summary)
+    for metrics in sorted(run_dir.glob("arms/*/metrics.jsonl")):
+        for line in read_jsonl(metrics):
+            METRICS_LINE_SCHEMA.validate(line)
+    return summary
 
 
 @dataclass
@@ -24,7 +46,7 @@ class CliRun:
     elapsed_s: float
 
     def summary(self, run_dir: Path) -> dict:
-        return json.loads((run_dir / "summary.json").read_text())
+        return valid_summary(run_dir)
 
     def check(self, run_dir: Path, name: str) -> dict:
         return next(c for c in self.summary(run_dir)["checks"] if c["name"] == name)
