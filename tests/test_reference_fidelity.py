@@ -87,9 +87,8 @@ def reference_on_rank(
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Logits of this rank's batch slice and gradients of the global mean loss, learned routing."""
     group = LogicalGroup(ep)
-    model = DeepseekV3ForCausalLM(cfg, ep_rank=rank, ep_size=ep)
+    model = DeepseekV3ForCausalLM(cfg, ep_rank=rank, ep_size=ep, forced_balanced=False)
     model.load_hf_state_dict(state)
-    model.set_forced_balanced(False)
     exchange = TokenExchange(
         group,
         rank,

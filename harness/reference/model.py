@@ -5,15 +5,16 @@ two unchanged (experts are stored fused, ``gate_up_proj`` [E, 2I, D] and ``down_
 Under expert parallelism a model instance holds only its logical rank's slice of the routed
 experts; :meth:`DeepseekV3ForCausalLM.load_hf_state_dict` takes the full tensors and slices them.
 
-The MoE layer is written as a list of stages (compute, launch, wait) rather than one forward, so
-that the chunking code can interleave the stages of several chunks through the EP scheduler.
+The MoE layer's forward calls the router, the token dispatcher and the experts in order.
+:meth:`MoE.stages` offers the same steps as stages (compute, launch, wait) on a per-chunk record,
+so that the chunking code can interleave the stages of several chunks through the EP scheduler.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, fields, replace
-from typing import Any, Callable
+from dataclasses import dataclass, field, fields, replace
+from typing import Any, Callable, Generic, TypeVar
 
 import torch
 import torch.nn.functional as F
@@ -338,6 +339,11 @@ class MLP(nn.Module):
         return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
 
 
+# Shape suffixes of the MoE below: B batch, S sequence, D hidden size, T tokens (B * S), K experts per
+# token, E routed experts, EP expert-parallel ranks, L experts per rank (E / EP), A token copies sent
+# (T * K, in expert order, so grouped by destination rank), R rows received for this rank's experts.
+
+
 class TopkRouter(nn.Module):
     """DeepSeek-V3 router: sigmoid/softmax scores, score-correction bias, group-limited top-k."""
 
@@ -393,172 +399,288 @@ class GroupedExperts(nn.Module):
         return torch.cat(outs)
 
 
+@dataclass(frozen=True, eq=False)
+class DispatchPlan:
+    """Where one chunk's token copies go and come from, fixed by routing before anything moves.
+
+    The dispatch reads it and the combine reads it reversed, so neither may see it change. The row
+    counts are sizes, not tensors: under forced-balanced routing they are static, so the exchange traces.
+    """
+
+    order_A: torch.Tensor  # token-expert assignments (T * K, flattened) sorted stably by expert
+    send_counts_EP: torch.Tensor  # rows sent to each rank
+    recv_counts_EP: torch.Tensor  # rows received from each rank
+    recv_per_expert_EPL: torch.Tensor  # rows received, by source rank and local expert
+    send_rows: int
+    recv_rows: int
+
+
+class TokenDispatcher:
+    """Carries token copies to the ranks of their experts and back, as launch/wait pairs.
+
+    It has no parameters, so it is no ``nn.Module``. Launches and waits are separate methods so
+    that compute can run while an exchange is in flight; ``buffer_set`` names the receive pool.
+    """
+
+    def __init__(self, cfg: DeepseekV3Config, ep_size: int, forced_balanced: bool) -> None:
+        self.num_experts, self.top_k = cfg.n_routed_experts, cfg.num_experts_per_tok
+        self.ep_size, self.num_local = ep_size, cfg.n_routed_experts // ep_size
+        self.forced_balanced = forced_balanced
+
+    def permute(self, tokens_TD: torch.Tensor, expert_ids_TK: torch.Tensor) -> tuple[torch.Tensor, DispatchPlan]:
+        """The token copies in expert order, and the plan that sends them (counts exchanged, blocking)."""
+        expert_ids_A = expert_ids_TK.flatten()
+        order_A = torch.argsort(expert_ids_A, stable=True)
+        per_expert_EPL = F.one_hot(expert_ids_A, self.num_experts).sum(0).view(self.ep_size, self.num_local)
+        recv_per_expert_EPL = ep_ops.exchange_counts(per_expert_EPL)
+        send_counts_EP, recv_counts_EP = per_expert_EPL.sum(1), recv_per_expert_EPL.sum(1)
+        send_AD = tokens_TD.index_select(0, order_A // self.top_k)
+        # Forced-balanced routing receives exactly what it sends: static shapes, so it traces.
+        recv_rows = send_AD.shape[0] if self.forced_balanced else int(recv_counts_EP.sum())
+        plan = DispatchPlan(order_A, send_counts_EP, recv_counts_EP, recv_per_expert_EPL, send_AD.shape[0], recv_rows)
+        return send_AD, plan
+
+    def launch_dispatch(self, send_AD: torch.Tensor, plan: DispatchPlan, buffer_set: int) -> torch.Tensor:
+        """Start sending; returns the placeholder [R, D] that :meth:`wait_dispatch` turns into rows."""
+        return ep_ops.dispatch(send_AD, plan.send_counts_EP, plan.recv_counts_EP, plan.recv_rows, buffer_set)
+
+    def wait_dispatch(self, pending_RD: torch.Tensor, buffer_set: int) -> torch.Tensor:
+        """The received rows [R, D], ordered by (source rank, local expert)."""
+        return ep_ops.wait_dispatch(pending_RD, buffer_set)
+
+    def launch_combine(self, expert_out_RD: torch.Tensor, plan: DispatchPlan, buffer_set: int) -> torch.Tensor:
+        """Start sending the expert outputs back where their tokens came from: the dispatch reversed."""
+        return ep_ops.combine(expert_out_RD, plan.recv_counts_EP, plan.send_counts_EP, plan.send_rows, buffer_set)
+
+    def wait_combine(self, pending_AD: torch.Tensor, buffer_set: int) -> torch.Tensor:
+        """The expert outputs [A, D] of this rank's token copies, still in expert order."""
+        return ep_ops.wait_combine(pending_AD, buffer_set)
+
+    def unpermute(self, combined_AD: torch.Tensor, plan: DispatchPlan, weights_TK: torch.Tensor) -> torch.Tensor:
+        """Each token's expert outputs back in token order, summed with the router's weights: [T, D]."""
+        per_assignment_AD = combined_AD.index_select(0, torch.argsort(plan.order_A))
+        return (
+            per_assignment_AD.view(-1, self.top_k, per_assignment_AD.shape[-1])
+            * weights_TK.unsqueeze(-1).to(per_assignment_AD.dtype)
+        ).sum(1)
+
+
+def _set_by_a_stage() -> Any:
+    """A chunk field a stage fills in; reading it before then is an AttributeError."""
+    return field(init=False, repr=False)
+
+
+@dataclass(slots=True, eq=False)
+class MoEChunk:
+    """One chunk's values between the MoE stages. Slots make a misspelt field fail at once."""
+
+    x_BSD: torch.Tensor
+    buffer_set: int
+    tokens_TD: torch.Tensor = _set_by_a_stage()  # what the router and the shared experts read
+    weights_TK: torch.Tensor = _set_by_a_stage()
+    send_AD: torch.Tensor = _set_by_a_stage()
+    plan: DispatchPlan = _set_by_a_stage()
+    pending: torch.Tensor = _set_by_a_stage()  # the placeholder of the exchange in flight
+    shared_TD: torch.Tensor = _set_by_a_stage()
+    received_RD: torch.Tensor = _set_by_a_stage()
+    expert_out_RD: torch.Tensor = _set_by_a_stage()
+    combined_AD: torch.Tensor = _set_by_a_stage()
+    out_BSD: torch.Tensor = _set_by_a_stage()
+
+
+ChunkT = TypeVar("ChunkT")
+
+
 @dataclass(frozen=True)
-class Stage:
+class Stage(Generic[ChunkT]):
     """One step of a region body. The EP scheduler reorders stages of different chunks by ``kind``."""
 
     kind: str  # "compute" | "launch" | "wait"
     name: str
-    run: Callable[[dict], None]
+    run: Callable[[ChunkT], None]
 
 
 class MoE(nn.Module):
-    """DeepSeekMoE: shared experts plus top-k routed experts reached through the token exchange."""
+    """DeepSeekMoE: shared experts plus top-k routed experts reached through the token exchange.
 
-    def __init__(self, cfg: DeepseekV3Config, ep_rank: int, ep_size: int) -> None:
+    ``layer_id`` names the layer in exchange events; ``forced_balanced`` routes every expert the
+    same number of tokens whatever the scores (torchtitan's ``force_load_balance``).
+    """
+
+    def __init__(self, cfg: DeepseekV3Config, layer_id: int, ep_size: int, forced_balanced: bool) -> None:
         super().__init__()
         if cfg.n_routed_experts % ep_size:
             raise ValueError(f"EP degree {ep_size} does not divide n_routed_experts {cfg.n_routed_experts}")
-        self.cfg, self.ep_rank, self.ep_size = cfg, ep_rank, ep_size
+        self.layer_id, self.forced_balanced = layer_id, forced_balanced
         self.num_local = cfg.n_routed_experts // ep_size
-        self.layer_id = -1  # set by the model; names the layer in exchange events
-        self.forced_balanced = True
         self.gate = TopkRouter(cfg)
         self.experts = GroupedExperts(cfg, self.num_local)
         self.shared_experts = MLP(cfg.hidden_size, cfg.moe_intermediate_size * cfg.n_shared_experts, cfg.hidden_act)
+        self.dispatcher = TokenDispatcher(cfg, ep_size, forced_balanced)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        state = {"x": x, "buffer_set": 0}
+    def forward(self, x_BSD: torch.Tensor) -> torch.Tensor:
+        buffer_set = 0  # one chunk: the first receive pool
         with region(layer=self.layer_id, chunk=0):
-            for stage in self.stages():
-                stage.run(state)
-        return state["out"]
+            tokens_TD, weights_TK, send_AD, plan = self.route(x_BSD)
+            pending_RD = self.dispatcher.launch_dispatch(send_AD, plan, buffer_set)
+            shared_TD = self.shared_experts(tokens_TD)  # runs while the tokens travel
+            received_RD = self.dispatcher.wait_dispatch(pending_RD, buffer_set)
+            expert_out_RD = self.run_experts(received_RD, plan)
+            pending_AD = self.dispatcher.launch_combine(expert_out_RD, plan, buffer_set)
+            combined_AD = self.dispatcher.wait_combine(pending_AD, buffer_set)
+            routed_TD = self.dispatcher.unpermute(combined_AD, plan, weights_TK)
+            return (routed_TD + shared_TD).view(x_BSD.shape)
 
-    def stages(self) -> list[Stage]:
-        """The body as dispatch/combine launch-wait pairs with compute between them."""
+    def route(self, x_BSD: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, DispatchPlan]:
+        """Choose experts: (tokens [T, D], weights [T, K], token copies to send [A, D], their plan)."""
+        tokens_TD = x_BSD.reshape(-1, x_BSD.shape[-1])
+        # One fan-out point for the router and the shared experts keeps the gradient sum into
+        # ``tokens_TD`` two-way (commutative), so its bits do not depend on autograd's visit order.
+        local_TD = tokens_TD.view_as(tokens_TD)
+        expert_ids_TK, weights_TK = self.gate(local_TD, self.forced_balanced)
+        send_AD, plan = self.dispatcher.permute(tokens_TD, expert_ids_TK)
+        return local_TD, weights_TK, send_AD, plan
+
+    def run_experts(self, received_RD: torch.Tensor, plan: DispatchPlan) -> torch.Tensor:
+        """This rank's experts on the received rows, which come ordered (source rank, local expert):
+        regrouped by local expert for the experts, and back in arrival order for the combine."""
+        counts_EPL = plan.recv_per_expert_EPL
+        rows = received_RD.shape[0]
+        block_R = torch.searchsorted(
+            counts_EPL.flatten().cumsum(0), torch.arange(rows, device=counts_EPL.device), right=True
+        )
+        by_expert_R = torch.argsort(block_R % self.num_local, stable=True).to(received_RD.device)
+        if self.forced_balanced:
+            rows_per_expert = [rows // self.num_local] * self.num_local
+        else:
+            rows_per_expert = counts_EPL.sum(0).tolist()
+        out_RD = self.experts(received_RD.index_select(0, by_expert_R), rows_per_expert)
+        return out_RD.index_select(0, torch.argsort(by_expert_R))
+
+    def stages(self) -> list[Stage[MoEChunk]]:
+        """The forward's steps as stages on a :class:`MoEChunk`: launch-wait pairs, compute between."""
         return [
             Stage("compute", "route", self._route),
             Stage("launch", "dispatch", self._launch_dispatch),
-            Stage("compute", "shared_experts", self._shared),
+            Stage("compute", "shared_experts", self._shared_experts),
             Stage("wait", "dispatch", self._wait_dispatch),
-            Stage("compute", "experts", self._experts),
+            Stage("compute", "experts", self._run_experts),
             Stage("launch", "combine", self._launch_combine),
             Stage("wait", "combine", self._wait_combine),
             Stage("compute", "unpermute", self._unpermute),
         ]
 
-    def _route(self, s: dict) -> None:
-        x = s["x"]
-        s["shape"] = x.shape
-        tokens = x.reshape(-1, x.shape[-1])
-        # One fan-out point for the router and the shared experts keeps the gradient sum into
-        # ``tokens`` two-way (commutative), so its bits do not depend on autograd's visit order.
-        local_in = tokens.view_as(tokens)
-        ids, weights = self.gate(local_in, self.forced_balanced)
-        s["local_in"], s["weights"] = local_in, weights
-        flat_ids = ids.flatten()
-        s["order"] = torch.argsort(flat_ids, stable=True)
-        per_expert = F.one_hot(flat_ids, self.cfg.n_routed_experts).sum(0).view(self.ep_size, self.num_local)
-        s["recv_per_expert"] = ep_ops.exchange_counts(per_expert)  # [source rank, local expert]
-        s["send_counts"] = per_expert.sum(1)
-        s["recv_counts"] = s["recv_per_expert"].sum(1)
-        s["send"] = tokens.index_select(0, s["order"] // self.cfg.num_experts_per_tok)
-        # Forced-balanced routing receives exactly what it sends: static shapes, so it traces.
-        s["recv_rows"] = s["send"].shape[0] if self.forced_balanced else int(s["recv_counts"].sum())
+    def _route(self, c: MoEChunk) -> None:
+        c.tokens_TD, c.weights_TK, c.send_AD, c.plan = self.route(c.x_BSD)
 
-    def _launch_dispatch(self, s: dict) -> None:
-        s["pending"] = ep_ops.dispatch(s["send"], s["send_counts"], s["recv_counts"], s["recv_rows"], s["buffer_set"])
+    def _launch_dispatch(self, c: MoEChunk) -> None:
+        c.pending = self.dispatcher.launch_dispatch(c.send_AD, c.plan, c.buffer_set)
 
-    def _shared(self, s: dict) -> None:
-        s["shared"] = self.shared_experts(s["local_in"])
+    def _shared_experts(self, c: MoEChunk) -> None:
+        c.shared_TD = self.shared_experts(c.tokens_TD)
 
-    def _wait_dispatch(self, s: dict) -> None:
-        s["received"] = ep_ops.wait_dispatch(s["pending"], s["buffer_set"])
+    def _wait_dispatch(self, c: MoEChunk) -> None:
+        c.received_RD = self.dispatcher.wait_dispatch(c.pending, c.buffer_set)
 
-    def _experts(self, s: dict) -> None:
-        # Received rows come ordered (source rank, local expert); regroup them by local expert.
-        counts = s["recv_per_expert"]
-        rows = s["received"].shape[0]
-        block = torch.searchsorted(counts.flatten().cumsum(0), torch.arange(rows, device=counts.device), right=True)
-        by_expert = torch.argsort(block % self.num_local, stable=True).to(s["received"].device)
-        if self.forced_balanced:
-            rows_per_expert = [rows // self.num_local] * self.num_local
-        else:
-            rows_per_expert = counts.sum(0).tolist()
-        out = self.experts(s["received"].index_select(0, by_expert), rows_per_expert)
-        s["expert_out"] = out.index_select(0, torch.argsort(by_expert))
+    def _run_experts(self, c: MoEChunk) -> None:
+        c.expert_out_RD = self.run_experts(c.received_RD, c.plan)
 
-    def _launch_combine(self, s: dict) -> None:
-        s["pending"] = ep_ops.combine(
-            s["expert_out"], s["recv_counts"], s["send_counts"], s["send"].shape[0], s["buffer_set"]
-        )
+    def _launch_combine(self, c: MoEChunk) -> None:
+        c.pending = self.dispatcher.launch_combine(c.expert_out_RD, c.plan, c.buffer_set)
 
-    def _wait_combine(self, s: dict) -> None:
-        s["combined"] = ep_ops.wait_combine(s["pending"], s["buffer_set"])
+    def _wait_combine(self, c: MoEChunk) -> None:
+        c.combined_AD = self.dispatcher.wait_combine(c.pending, c.buffer_set)
 
-    def _unpermute(self, s: dict) -> None:
-        k = self.cfg.num_experts_per_tok
-        per_assignment = s["combined"].index_select(0, torch.argsort(s["order"]))
-        routed = (
-            per_assignment.view(-1, k, per_assignment.shape[-1]) * s["weights"].unsqueeze(-1).to(per_assignment.dtype)
-        ).sum(1)
-        s["out"] = (routed + s["shared"]).view(s["shape"])
+    def _unpermute(self, c: MoEChunk) -> None:
+        c.out_BSD = (self.dispatcher.unpermute(c.combined_AD, c.plan, c.weights_TK) + c.shared_TD).view(c.x_BSD.shape)
+
+
+RopeCosSin = tuple[torch.Tensor, torch.Tensor]
+
+
+@dataclass(slots=True, eq=False)
+class BlockChunk:
+    """One chunk's values between the stages of a whole block: attention, then the MoE's stages."""
+
+    x_BSD: torch.Tensor
+    buffer_set: int
+    h_BSD: torch.Tensor = _set_by_a_stage()  # the block input plus attention: the MoE output adds to it
+    moe: MoEChunk = _set_by_a_stage()
+    out_BSD: torch.Tensor = _set_by_a_stage()
+
+
+def _on_moe_chunk(stage: Stage[MoEChunk]) -> Stage[BlockChunk]:
+    """An MoE stage, run on the MoE's record inside a block chunk."""
+    return Stage(stage.kind, stage.name, lambda c: stage.run(c.moe))
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: DeepseekV3Config, layer: int, ep_rank: int, ep_size: int) -> None:
+    def __init__(self, cfg: DeepseekV3Config, layer_id: int, ep_size: int, forced_balanced: bool) -> None:
         super().__init__()
         self.self_attn = MLAttention(cfg)
         self.mlp = (
-            MoE(cfg, ep_rank, ep_size)
-            if cfg.is_moe_layer(layer)
+            MoE(cfg, layer_id, ep_size, forced_balanced)
+            if cfg.is_moe_layer(layer_id)
             else MLP(cfg.hidden_size, cfg.intermediate_size, cfg.hidden_act)
         )
-        if isinstance(self.mlp, MoE):
-            self.mlp.layer_id = layer
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.rope: tuple[torch.Tensor, torch.Tensor] | None = None  # set per forward by the model
 
-    def forward(self, h: torch.Tensor) -> torch.Tensor:
-        h = h + self.self_attn(self.input_layernorm(h), self.rope)
+    def forward(self, h: torch.Tensor, rope: RopeCosSin) -> torch.Tensor:
+        h = h + self.self_attn(self.input_layernorm(h), rope)
         return h + self.mlp(self.post_attention_layernorm(h))
 
-    def stages(self) -> list[Stage]:
+    def stages(self, rope: RopeCosSin) -> list[Stage[BlockChunk]]:
         """A whole block as a chunkable region: attention folds into the MoE's first compute stage."""
-        moe_stages = self.mlp.stages()
+        route, *exchange, unpermute = self.mlp.stages()
 
-        def pre(s: dict) -> None:
-            s["h"] = s["x"] + self.self_attn(self.input_layernorm(s["x"]), self.rope)
-            s["x"] = self.post_attention_layernorm(s["h"])
-            moe_stages[0].run(s)
+        def attention_and_route(c: BlockChunk) -> None:
+            c.h_BSD = c.x_BSD + self.self_attn(self.input_layernorm(c.x_BSD), rope)
+            c.moe = MoEChunk(self.post_attention_layernorm(c.h_BSD), c.buffer_set)
+            route.run(c.moe)
 
-        def post(s: dict) -> None:
-            moe_stages[-1].run(s)
-            s["out"] = s["h"] + s["out"]
+        def unpermute_and_residual(c: BlockChunk) -> None:
+            unpermute.run(c.moe)
+            c.out_BSD = c.h_BSD + c.moe.out_BSD
 
         return [
-            Stage("compute", "attention+route", pre),
-            *moe_stages[1:-1],
-            Stage("compute", "unpermute+residual", post),
+            Stage("compute", "attention+route", attention_and_route),
+            *map(_on_moe_chunk, exchange),
+            Stage("compute", "unpermute+residual", unpermute_and_residual),
         ]
 
 
 class DeepseekV3Model(nn.Module):
-    def __init__(self, cfg: DeepseekV3Config, ep_rank: int, ep_size: int) -> None:
+    def __init__(self, cfg: DeepseekV3Config, ep_size: int, forced_balanced: bool) -> None:
         super().__init__()
         self.cfg = cfg
         # The pad token's row gets no gradient from the lookup.
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size, padding_idx=cfg.pad_token_id)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, i, ep_rank, ep_size) for i in range(cfg.num_hidden_layers))
+        self.layers = nn.ModuleList(
+            DecoderLayer(cfg, i, ep_size, forced_balanced) for i in range(cfg.num_hidden_layers)
+        )
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         h = self.embed_tokens(input_ids)
         rope = tuple(t.to(h.dtype) for t in rope_cos_sin(self.cfg, input_ids.shape[1], input_ids.device))
         for layer in self.layers:
-            layer.rope = rope
-            h = layer(h)
+            h = layer(h, rope)
         return self.norm(h)
 
 
 class DeepseekV3ForCausalLM(nn.Module):
-    """The model of one logical EP rank: all dense weights, ``n_routed_experts / ep_size`` experts."""
+    """The model of one logical EP rank: all dense weights, ``n_routed_experts / ep_size`` experts.
 
-    def __init__(self, cfg: DeepseekV3Config, ep_rank: int = 0, ep_size: int = 1) -> None:
+    ``forced_balanced`` is the routing mode of every MoE layer (see :class:`MoE`).
+    """
+
+    def __init__(
+        self, cfg: DeepseekV3Config, ep_rank: int = 0, ep_size: int = 1, *, forced_balanced: bool = True
+    ) -> None:
         super().__init__()
         self.cfg, self.ep_rank, self.ep_size = cfg, ep_rank, ep_size
-        self.model = DeepseekV3Model(cfg, ep_rank, ep_size)
+        self.model = DeepseekV3Model(cfg, ep_size, forced_balanced)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
@@ -569,11 +691,6 @@ class DeepseekV3ForCausalLM(nn.Module):
     @property
     def moe_layers(self) -> list[int]:
         return [i for i in range(self.cfg.num_hidden_layers) if self.cfg.is_moe_layer(i)]
-
-    def set_forced_balanced(self, forced: bool) -> None:
-        for module in self.modules():
-            if isinstance(module, MoE):
-                module.forced_balanced = forced
 
     def expert_parameters(self) -> list[nn.Parameter]:
         """Parameters sharded over EP ranks (everything else is replicated)."""
@@ -635,10 +752,14 @@ __all__ = [
     "ACTIVATIONS",
     "CONFIG_FIELDS",
     "CONFIGS",
+    "BlockChunk",
     "DeepseekV3Config",
     "DeepseekV3ForCausalLM",
+    "DispatchPlan",
     "MoE",
+    "MoEChunk",
     "Stage",
+    "TokenDispatcher",
     "causal_lm_loss",
     "get_config",
 ]

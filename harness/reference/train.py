@@ -162,10 +162,11 @@ class _Replica:
         prepare_model: Callable[[int, DeepseekV3ForCausalLM], None],
     ) -> None:
         cfg = config.model_config()
-        self.model = DeepseekV3ForCausalLM(cfg, ep_rank=rank, ep_size=config.ep)
+        self.model = DeepseekV3ForCausalLM(
+            cfg, ep_rank=rank, ep_size=config.ep, forced_balanced=config.routing == "forced-balanced"
+        )
         self.model.init_weights(torch.Generator().manual_seed(config.seed))
         prepare_model(rank, self.model)
-        self.model.set_forced_balanced(config.routing == "forced-balanced")
         self.model.to(device=device, dtype=DTYPES[config.dtype])
         if config.compile_attention and config.chunking not in TRACED:  # traced arms compile graph regions
             for module in self.model.modules():

@@ -1,23 +1,26 @@
 """Eager chunking: run a region's body once per chunk, interleaved by the EP scheduler.
 
 The roots are the MoE layers (``"moe"``) or whole transformer blocks (``"block"``). Their forward is
-replaced, on the instance, by one that splits the input along the batch or sequence dim, runs the
-stages of every chunk in the scheduler's order, each under its chunk metadata (``chunk_id``, region
-fqn, role ``"body"``) and on buffer set ``chunk_id % num_buffer_sets``, and joins the chunk outputs
-with ``cat``. Parameter names do not change.
+replaced, on the instance, by one that splits the input along the batch or sequence dim into one
+chunk record each (:class:`~harness.reference.model.MoEChunk` or ``BlockChunk``), runs the stages of
+every chunk in the scheduler's order, each under its chunk metadata (``chunk_id``, region fqn, role
+``"body"``) and on buffer set ``chunk_id % num_buffer_sets``, and joins the chunk outputs with
+``cat``. Parameter names do not change.
 """
 
 from __future__ import annotations
 
 import contextlib
+from typing import Callable
 
 import torch
 import torch.fx.traceback as fx_traceback
-from torch import nn
 
 from harness.reference.chunking.schedule import EPScheduler, Owner
 from harness.reference.ep.exchange import region
-from harness.reference.model import DeepseekV3ForCausalLM, MoE
+from harness.reference.model import BlockChunk, DeepseekV3ForCausalLM, MoE, MoEChunk, Stage
+
+Chunk = MoEChunk | BlockChunk
 
 SPLIT_DIMS = {"batch": 0, "seq": 1}
 
@@ -37,18 +40,25 @@ def _annotate(metadata: dict) -> contextlib.AbstractContextManager:
 
 
 def run_chunked(
-    module: nn.Module, fqn: str, layer: int, x: torch.Tensor, chunks: int, dim: int, scheduler: EPScheduler
+    stages: list[Stage],
+    new_chunk: Callable[[torch.Tensor, int], Chunk],
+    fqn: str,
+    layer: int,
+    x: torch.Tensor,
+    chunks: int,
+    dim: int,
+    scheduler: EPScheduler,
 ) -> torch.Tensor:
+    """Run ``stages`` on every chunk of ``x``, each chunk's record made by ``new_chunk(part, buffer_set)``."""
     if x.shape[dim] % chunks:
         raise ValueError(f"{fqn}: dim {dim} of size {x.shape[dim]} does not split into {chunks} chunks")
-    states = [{"x": part, "buffer_set": scheduler.buffer_set(c)} for c, part in enumerate(x.chunk(chunks, dim))]
-    stages = module.stages()
+    records = [new_chunk(part, scheduler.buffer_set(c)) for c, part in enumerate(x.chunk(chunks, dim))]
     items = [(Owner(fqn, False, chunk), stage.kind) for chunk in range(chunks) for stage in stages]
     for index in scheduler.order_owned(items):
         chunk, stage = divmod(index, len(stages))
         with region(layer=layer, chunk=chunk), _annotate(chunk_metadata(chunk, fqn)):
-            stages[stage].run(states[chunk])
-    return torch.cat([state["out"] for state in states], dim)
+            stages[stage].run(records[chunk])
+    return torch.cat([record.out_BSD for record in records], dim)
 
 
 def apply_eager_chunking(
@@ -66,9 +76,11 @@ def apply_eager_chunking(
             continue
         root = layer.mlp if roots == "moe" else layer
         fqn = f"model.layers.{i}" + (".mlp" if roots == "moe" else "")
+        new_chunk = MoEChunk if roots == "moe" else BlockChunk
 
-        def forward(x: torch.Tensor, root=root, fqn=fqn, layer_id=i) -> torch.Tensor:
-            return run_chunked(root, fqn, layer_id, x, chunks, dim, scheduler)
+        # ``rope`` is what a block's forward takes after ``x``, and its stages need; an MoE takes none.
+        def forward(x: torch.Tensor, *rope, root=root, fqn=fqn, new_chunk=new_chunk, layer_id=i) -> torch.Tensor:
+            return run_chunked(root.stages(*rope), new_chunk, fqn, layer_id, x, chunks, dim, scheduler)
 
         root.forward = forward
         chunked.append(fqn)
