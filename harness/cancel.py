@@ -1,7 +1,7 @@
 """Cancellation: SIGINT or SIGTERM ends a run as Unix tools end, with exit code 128 + N.
 
 The first signal raises ``Cancelled`` in the main thread, wherever it is (inside the elastic
-agent too: the harness keeps SIGINT and SIGTERM for itself, see launch.py). The run stops its
+agent too: the harness keeps SIGINT and SIGTERM for itself, see launchers/local.py). The run stops its
 ranks, keeps every record they wrote, and still writes summary.json, junit.xml and report.html
 with verdict ``cancelled``. A second signal means "now": the process exits at once with the first
 signal's code, and the ranks die with it (PR_SET_PDEATHSIG).

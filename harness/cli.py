@@ -26,6 +26,7 @@ from harness.cancel import Cancelled
 from harness.ci import run_gate
 from harness.environment import CPU_ISAS, cuda_preflight, describe_environment
 from harness.golden import GOLDEN_MODES, GoldenError
+from harness.launchers.slurm.profile import load_profile
 from harness.run import (
     GOLDEN_DIR,
     RunOptions,
@@ -35,7 +36,7 @@ from harness.run import (
     trace_cache_dir,
 )
 from harness.shipped import inside_package
-from harness.slurm import collect_run, load_profile, submit_suite
+from harness.slurm_run import collect_run, submit_suite
 from harness.suites import SUITES_DIR, SuiteError, list_suites, load_suite
 from harness.verdict import EXIT_INFRA, EXIT_PASS, EXIT_USAGE
 

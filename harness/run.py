@@ -45,7 +45,8 @@ from harness.golden import (
     plan_golden,
     write_golden,
 )
-from harness.launch import GroupLauncher, LaunchGroup, LaunchResult, launch_group, plan_launches
+from harness.launchers import GroupLauncher, LaunchContext, LaunchGroup, LaunchResult, plan_launches
+from harness.launchers.local import launch_group
 from harness.phases import PhaseLog, cache_notes, read_rank_phases, timeline
 from harness.progress import BlockProgress, Progress
 from harness.records import (
@@ -261,7 +262,8 @@ def launch_all(
     launch: GroupLauncher = launch_group,
 ) -> Iterator[LaunchResult]:
     """Launch groups one after another under one deadline, yielding each result; the first
-    failure ends the run. ``launch`` runs one group: locally (launch.py) or as a Slurm job (slurm.py)."""
+    failure ends the run. ``launch`` runs one group: locally (launchers/local.py) or as a Slurm job
+    (launchers/slurm/watch.py)."""
     deadline = time.monotonic() + timeout_s
     spec = suite.throughput
     if spec:
@@ -269,10 +271,11 @@ def launch_all(
         progress: Progress | BlockProgress = BlockProgress(run_dir, roles, spec.blocks, out, verbose)
     else:
         progress = Progress(run_dir, [arm for group in groups for arm in group.arms], suite.steps, out, verbose)
+    context = LaunchContext(run_dir, deadline, timeout_s, env, progress.tick)
     try:
         for group in groups:
             with phases.phase("launch", group=group.name):
-                result = launch(run_dir, group, deadline=deadline, timeout_s=timeout_s, env=env, tick=progress.tick)
+                result = launch(group, context)
             log.info("group %s: %s", group.name, result.headline or "ok")
             if not result.ok:
                 progress.close()  # its last state stays above the error the caller prints

@@ -25,6 +25,7 @@ ARMS_DIR = "arms"
 PHASES_DIR = "phases"
 LOGS_DIR = "logs"
 HARNESS_LOG = f"{LOGS_DIR}/harness.log"
+LAUNCHER_LOG = f"{LOGS_DIR}/launcher.log"  # the elastic agent's own messages
 
 
 @dataclass(frozen=True)

@@ -22,7 +22,7 @@ from pathlib import Path
 
 from harness.abba import BLOCK, PairedRatio, paired_ratio, relative_iqr
 from harness.compare import CheckResult
-from harness.launch import LaunchGroup
+from harness.launchers import LaunchGroup
 from harness.records import RecordError, read_jsonl
 from harness.rundir import THROUGHPUT
 from harness.specs import SuiteSpec, ThroughputSpec

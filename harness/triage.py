@@ -1,8 +1,8 @@
 """A failed rank: regression or flake? The classification behind exit codes 1 and 3.
 
 CI retries a flake (exit 3) and blocks on a regression (exit 1), so a crash must be told apart
-from infrastructure trouble. Only the root cause is judged: the rank that died first (launch.py
-orders deaths as they happen). Its peers' errors ("Connection reset by peer") are consequences.
+from infrastructure trouble. Only the root cause is judged: the rank that died first (the launchers
+order deaths as they happen). Its peers' errors ("Connection reset by peer") are consequences.
 The rules, in order:
 
 1. It died by a signal (SIGKILL, SIGSEGV, SIGABRT, ...): infrastructure. A SIGKILL while the

@@ -23,7 +23,7 @@ from harness.records import ArmRecords
 from harness.specs import SuiteSpec
 
 if TYPE_CHECKING:  # the reports read verdicts too, without the launcher's imports
-    from harness.launch import LaunchGroup, LaunchResult
+    from harness.launchers import LaunchGroup, LaunchResult
 
 EXIT_PASS, EXIT_FAIL, EXIT_USAGE, EXIT_INFRA, EXIT_INCONCLUSIVE = 0, 1, 2, 3, 4
 # Worst first. "inconclusive": a gate whose interval straddles its threshold; "xfail": a check that

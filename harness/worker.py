@@ -1,4 +1,4 @@
-"""One rank of a launch group: ``python -m harness.worker RUN_DIR GROUP``, started by launch.py.
+"""One rank of a launch group: ``python -m harness.worker RUN_DIR GROUP``, started by a launcher (harness/launchers/).
 
 Runs each arm of the group in turn, re-seeded identically, and streams what the parent
 judges: ``arms/<arm>/metrics.jsonl`` and ``digests.jsonl`` (process rank 0, for logical rank 0),

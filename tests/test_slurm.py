@@ -17,18 +17,10 @@ from pathlib import Path
 
 import pytest
 
-from harness.launch import LaunchGroup
-from harness.slurm import (
-    RESULT_FILE,
-    SlurmJob,
-    SlurmProfile,
-    executor_parameters,
-    job_shape,
-    read_results,
-    rendezvous_env,
-    rendezvous_port,
-    run_task,
-)
+from harness.launchers import LaunchGroup
+from harness.launchers.slurm.jobs import RESULT_FILE, SlurmJob, read_results
+from harness.launchers.slurm.profile import SlurmProfile, executor_parameters, job_shape
+from harness.launchers.slurm.task import rendezvous_env, rendezvous_port, run_task
 from harness.suites import SuiteError
 
 REPO = Path(__file__).resolve().parent.parent

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from harness.golden import config_differences
-from harness.launch import plan_launches
+from harness.launchers import plan_launches
 from harness.run import golden_config
 from harness.suites import SuiteError, list_suites, load_suite
 
