@@ -144,7 +144,13 @@ def read_metrics_records(records: list[dict], path: Path | str) -> pd.DataFrame:
 
 
 def write_json_atomic(path: Path, obj: Any) -> None:
-    """Writes JSON so that readers see the old file or the new one, never a torn one.
+    """Writes JSON so that readers see the old file or the new one, never a torn one."""
+    write_text_atomic(path, json.dumps(obj, indent=2, allow_nan=True) + "\n")
+
+
+def write_text_atomic(path: Path, text: str) -> None:
+    """Writes ``text`` so that readers see the old file or the new one, never a torn one (a report
+    cut short by a full disk or a second signal would open as a broken page).
 
     The temp file lives in the target directory so os.replace stays a same-filesystem rename.
     """
@@ -153,8 +159,7 @@ def write_json_atomic(path: Path, obj: Any) -> None:
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
         with naming_file(path), os.fdopen(fd, "w", encoding="utf-8") as f:
-            json.dump(obj, f, indent=2, allow_nan=True)
-            f.write("\n")
+            f.write(text)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)

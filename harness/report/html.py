@@ -15,6 +15,7 @@ import jinja2
 import numpy as np
 import pandas as pd
 
+from harness.records import write_text_atomic
 from harness.report.checks import group_by_kind, problems_first, status_counts, tally, verdict_label
 from harness.report.figures import integer_ticks, literal, new_figure, png_base64
 from harness.report.throughput import throughput_view
@@ -194,13 +195,11 @@ def write_html(
         manifest=json.dumps(manifest, indent=2, default=str) if manifest is not None else None,
         timing=timing_view(summary.get("timing")),
     )
-    Path(path).parent.mkdir(parents=True, exist_ok=True)
-    Path(path).write_text(html, encoding="utf-8")
+    write_text_atomic(path, html)
 
 
 def write_ci_index(path: Path, gate: dict) -> None:
     """Renders a ``harness ci`` gate's index.html from its ci.json record: the gate's verdict, and each
     suite's verdict and attempts, linking every attempt's report.html (paths relative to the gate)."""
     html = _TEMPLATES.get_template("ci.html").render(gate=gate)
-    Path(path).parent.mkdir(parents=True, exist_ok=True)
-    Path(path).write_text(html, encoding="utf-8")
+    write_text_atomic(path, html)

@@ -6,6 +6,7 @@ import re
 import xml.etree.ElementTree as ET
 from pathlib import Path
 
+from harness.records import write_text_atomic
 from harness.report.checks import status_counts
 from harness.verdict import is_not_evaluated
 
@@ -102,5 +103,4 @@ def write_merged_junit(path: Path, testsuites: list[ET.Element]) -> None:
 
 def _write(path: Path, root: ET.Element) -> None:
     ET.indent(root)
-    Path(path).parent.mkdir(parents=True, exist_ok=True)
-    ET.ElementTree(root).write(path, encoding="utf-8", xml_declaration=True)
+    write_text_atomic(path, ET.tostring(root, encoding="unicode", xml_declaration=True) + "\n")

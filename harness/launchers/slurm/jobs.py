@@ -68,13 +68,26 @@ def read_jobs(run_dir: Path) -> tuple[dict[str, Any], list[SlurmJob]]:
     return record["source"], [SlurmJob(**job) for job in record["jobs"]]
 
 
+def result_file(run_dir: Path, job_id: str, task: int) -> Path:
+    """Where task ``task`` of job ``job_id`` leaves its outcome."""
+    return job_file(run_dir, job_id, task, RESULT_FILE)
+
+
+def write_result(path: Path, result: dict[str, Any]) -> None:
+    """A task's outcome, atomically, in the form :func:`read_results` accepts (it raises otherwise:
+    a result the watch would ignore must not be written silently)."""
+    if not _is_result(result, result.get("rank")):
+        raise ValueError(f"{path}: not a task result: {result!r}")
+    write_json_atomic(path, result)
+
+
 def read_results(run_dir: Path, job: SlurmJob) -> dict[int, dict[str, Any]]:
     """Task -> its outcome (the JSON run_task wrote), for the tasks whose result reads as one; a
     missing, torn or malformed result is no result. A task that raised itself (outside the worker)
     has ``{"traceback": ...}``. Only JSON is read: loading submitit's pickles would run their payload."""
     results = {}
     for task in range(job.tasks):
-        result = _read_result(job.file(run_dir, RESULT_FILE, task))
+        result = _read_result(result_file(run_dir, job.job_id, task))
         if _is_result(result, task):
             results[task] = result
     return results

@@ -24,8 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from harness.launchers import LaunchGroup
-from harness.launchers.slurm.jobs import RESULT_FILE, job_file
-from harness.records import write_json_atomic
+from harness.launchers.slurm.jobs import result_file, write_result
 from harness.rundir import MANIFEST
 from harness.worker import AGENT_PID_ENV, release_error_room
 
@@ -68,14 +67,14 @@ def run_task(run_dir: str, group_name: str, env: dict[str, str]) -> dict[str, An
     from submitit import JobEnvironment
 
     job = JobEnvironment()
-    result_path = job_file(Path(run_dir), job.job_id, job.global_rank, RESULT_FILE)
+    result_path = result_file(Path(run_dir), job.job_id, job.global_rank)
     result_path.unlink(missing_ok=True)  # a requeued job starts clean
     try:
         result = _run_worker(run_dir, group_name, env)
     except Exception:
-        write_json_atomic(result_path, {"rank": job.global_rank, "exitcode": 1, "traceback": traceback.format_exc()})
+        write_result(result_path, {"rank": job.global_rank, "exitcode": 1, "traceback": traceback.format_exc()})
         raise
-    write_json_atomic(result_path, result)
+    write_result(result_path, result)
     return result
 
 
