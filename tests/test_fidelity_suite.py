@@ -190,8 +190,8 @@ import harness.reference.model as model
 _route = model.TopkRouter.forward
 
 
-def route_without_scaling(self, x, forced_balanced):
-    ids, weights = _route(self, x, forced_balanced)
+def route_without_scaling(self, x):
+    ids, weights = _route(self, x)
     return ids, weights / self.cfg.routed_scaling_factor
 
 

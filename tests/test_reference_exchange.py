@@ -18,15 +18,18 @@ from harness.reference.train import TrainConfig, Trainer
 
 def test_forced_balanced_routing_gives_every_expert_the_same_count() -> None:
     cfg = get_config("cpu-tiny")
-    model = DeepseekV3ForCausalLM(cfg)
-    model.init_weights(torch.Generator().manual_seed(0))
-    router = model.model.layers[1].mlp.gate
+
+    def router(forced_balanced: bool) -> torch.nn.Module:
+        model = DeepseekV3ForCausalLM(cfg, forced_balanced=forced_balanced)
+        model.init_weights(torch.Generator().manual_seed(0))
+        return model.model.layers[1].mlp.gate
+
     x = torch.randn(64, cfg.hidden_size)
-    ids, weights = router(x, forced_balanced=True)
+    ids, weights = router(True)(x)
     counts = torch.bincount(ids.flatten(), minlength=cfg.n_routed_experts)
     assert counts.tolist() == [64 * cfg.num_experts_per_tok // cfg.n_routed_experts] * cfg.n_routed_experts
     assert weights.requires_grad  # scores are still gathered, so the router keeps learning
-    learned_ids, _ = router(x, forced_balanced=False)
+    learned_ids, _ = router(False)(x)
     assert len(set(torch.bincount(learned_ids.flatten(), minlength=cfg.n_routed_experts).tolist())) > 1
 
 

@@ -345,20 +345,21 @@ class MLP(nn.Module):
 
 
 class TopkRouter(nn.Module):
-    """DeepSeek-V3 router: sigmoid/softmax scores, score-correction bias, group-limited top-k."""
+    """DeepSeek-V3 router: sigmoid/softmax scores, score-correction bias, group-limited top-k; or,
+    ``forced_balanced``, torchtitan's forced load balance, which ignores the scores for the choice."""
 
-    def __init__(self, cfg: DeepseekV3Config) -> None:
+    def __init__(self, cfg: DeepseekV3Config, forced_balanced: bool) -> None:
         super().__init__()
-        self.cfg = cfg
+        self.cfg, self.forced_balanced = cfg, forced_balanced
         self.weight = nn.Parameter(torch.empty(cfg.n_routed_experts, cfg.hidden_size))
         self.register_buffer("e_score_correction_bias", torch.zeros(cfg.n_routed_experts))
 
-    def forward(self, x: torch.Tensor, forced_balanced: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Return (expert ids, weights), both [T, K]; weights carry the gradient to the router."""
         cfg = self.cfg
         logits = F.linear(x.float(), self.weight.float())
         scores = logits.sigmoid() if cfg.scoring_func == "sigmoid" else logits.softmax(dim=-1)
-        if forced_balanced:
+        if self.forced_balanced:
             # torchtitan's moe_force_load_balance: the choice ignores the scores, so every expert
             # gets exactly T*K/E assignments; scores are still gathered so the router learns.
             ids = torch.arange(x.shape[0] * cfg.num_experts_per_tok, device=x.device)
@@ -513,7 +514,7 @@ class MoE(nn.Module):
             raise ValueError(f"EP degree {ep_size} does not divide n_routed_experts {cfg.n_routed_experts}")
         self.layer_id, self.forced_balanced = layer_id, forced_balanced
         self.num_local = cfg.n_routed_experts // ep_size
-        self.gate = TopkRouter(cfg)
+        self.gate = TopkRouter(cfg, forced_balanced)
         self.experts = GroupedExperts(cfg, self.num_local)
         self.shared_experts = MLP(cfg.hidden_size, cfg.moe_intermediate_size * cfg.n_shared_experts, cfg.hidden_act)
         self.dispatcher = TokenDispatcher(cfg, ep_size, forced_balanced)
@@ -537,7 +538,7 @@ class MoE(nn.Module):
         # One fan-out point for the router and the shared experts keeps the gradient sum into
         # ``tokens_TD`` two-way (commutative), so its bits do not depend on autograd's visit order.
         local_TD = tokens_TD.view_as(tokens_TD)
-        expert_ids_TK, weights_TK = self.gate(local_TD, self.forced_balanced)
+        expert_ids_TK, weights_TK = self.gate(local_TD)
         send_AD, plan = self.dispatcher.permute(tokens_TD, expert_ids_TK)
         return local_TD, weights_TK, send_AD, plan
 
