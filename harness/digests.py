@@ -26,7 +26,7 @@ the forward unchanged, and the first gradient to differ in backward order belong
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 
 import numpy as np
 import torch
@@ -46,10 +46,10 @@ def parameters_hash(tensors: Iterable[torch.Tensor]) -> str:
     return hashlib.blake2b(_flat(tensors).view(torch.uint8).numpy(), digest_size=_HASH_BYTES).hexdigest()
 
 
-def final_weights(model: torch.nn.Module, updates: int) -> dict:
+def final_weights(parameters: Mapping[str, torch.Tensor], updates: int) -> dict:
     """``{"updates", "parameters": {name: hash}}``: one logical rank's weights after its last
     update (``weights.rank<k>.json``), which the ``final-weights`` check compares bit for bit."""
-    return {"updates": updates, "parameters": {name: parameters_hash([p]) for name, p in model.named_parameters()}}
+    return {"updates": updates, "parameters": {name: parameters_hash([p]) for name, p in parameters.items()}}
 
 
 def digest_all(tensors: dict[str, torch.Tensor]) -> dict[str, list]:

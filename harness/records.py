@@ -190,6 +190,7 @@ class ArmRecords:
     ranks: dict[int, list[dict]] = field(default_factory=dict)  # logical rank -> its loss, grad norm, hashes
     digests: list[dict] = field(default_factory=list)  # logical rank 0's gradient and parameter digests
     moe_layers: list[int] | None = None  # None: arm.json missing or without them
+    info: dict = field(default_factory=dict)  # arm.json's facts of the built arm (Arm.info): chunk roots, top-k
     graph: dict | None = None  # graph.json of a traced arm: its scheduled exchange ops; None if absent
     cpu_capability: str | None = None  # the ISA ATen dispatched to in the arm's ranks
     final_weights: dict[int, dict] = field(default_factory=dict)  # logical rank -> digests after the last update
@@ -215,7 +216,8 @@ def read_arm(run_dir: Path, arm: str, logical_ranks: int) -> ArmRecords:
             records.metrics = read_metrics_records(records.updates, files.metrics)
         if files.arm.is_file():
             arm_info = json.loads(files.arm.read_text())
-            records.moe_layers = arm_info.get("moe_layers")
+            records.info = arm_info.get("info", {})
+            records.moe_layers = records.info.get("moe_layers")
             records.cpu_capability = arm_info.get("cpu_capability")
         if files.graph.is_file():
             records.graph = json.loads(files.graph.read_text())

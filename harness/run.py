@@ -58,12 +58,12 @@ from harness.records import (
     read_metrics,
     write_json_atomic,
 )
-from harness.reference.chunking.trace_cache import TraceCacheError, open_cache
 from harness.report import format_verdict_table, read_throughput, write_html, write_junit
 from harness.report.figures import import_in_background
 from harness.rundir import HARNESS_LOG, JUNIT, LOGS_DIR, MANIFEST, REPORT, SUMMARY, arm_files
 from harness.shipped import shipped_dir
 from harness.specs import SuiteSpec
+from harness.subject import Subject, load_subject
 from harness.throughput import judge_throughput, plan_throughput_launches
 from harness.triage import REGRESSION
 from harness.verdict import (
@@ -120,21 +120,22 @@ def trace_cache_dir(flag: str | None) -> Path | None:
     return path
 
 
-def usable_trace_cache(path: Path | None) -> tuple[Path | None, str | None]:
-    """The trace cache the ranks may use (None: off), and the line saying why not when its folder or the
-    user's key is not safe to use (reference/chunking/trace_cache.py): the run then traces, and is
-    judged on its merits."""
-    if path is None:
-        return None, None
-    try:
-        open_cache(path)
-    except TraceCacheError as error:
-        return None, f"trace cache {error.path}: not used: {error.why}; tracing instead"
-    return path, None
+def usable_trace_cache(path: Path | None, subject: Subject) -> tuple[Path | None, str | None]:
+    """The trace cache the ranks may use (None: off), and the line saying why not when the subject
+    finds its folder unsafe (the reference: reference/chunking/trace_cache.py): the run then traces,
+    and is judged on its merits."""
+    problem = getattr(subject, "cache_problem", None)
+    why = problem(path) if path is not None and problem is not None else None
+    return (None, why) if why else (path, None)
+
+
+def suite_subject(suite: SuiteSpec) -> Subject:
+    """The suite's system under test (harness/subject/)."""
+    return load_subject(suite.subject, suite.path.resolve().parent)
 
 
 def suite_dtype(suite: SuiteSpec) -> str:
-    return "+".join(sorted({arm.train["dtype"] for arm in suite.arms.values()}))
+    return "+".join(sorted({arm.dtype for arm in suite.arms.values()}))
 
 
 def golden_config(suite: SuiteSpec) -> dict:
@@ -143,7 +144,7 @@ def golden_config(suite: SuiteSpec) -> dict:
     Non-default fields only: a field the reference adds later leaves goldens comparable, while a
     changed default moves the numerics and shows up as a golden failure, as it should.
     """
-    arms = {a.name: {"ranks": a.ranks, "config": a.non_defaults()} for a in suite.arms.values()}
+    arms = {a.name: {"ranks": a.ranks, "config": a.golden_config} for a in suite.arms.values()}
     return {"steps": suite.steps, "arms": arms}
 
 
@@ -215,7 +216,7 @@ def build_manifest(
         "cpu_isa": pin.to_dict() if pin else None,
         "backend": backend_for(options.device),
         "ranks": suite.ranks,
-        "seed": sorted({arm.train["seed"] for arm in suite.arms.values()}),
+        "seed": sorted({arm.seed for arm in suite.arms.values()}),
         "env_key": key,
         "golden_config": golden_config(suite),
         "launches": [dataclasses.asdict(g) for g in groups],
@@ -271,7 +272,7 @@ def launch_all(
         progress: Progress | BlockProgress = BlockProgress(run_dir, roles, spec.blocks, out, verbose)
     else:
         progress = Progress(run_dir, [arm for group in groups for arm in group.arms], suite.steps, out, verbose)
-    context = LaunchContext(run_dir, deadline, timeout_s, env, progress.tick)
+    context = LaunchContext(run_dir, deadline, timeout_s, env, progress.tick, suite_subject(suite).source)
     try:
         for group in groups:
             with phases.phase("launch", group=group.name):
@@ -416,7 +417,7 @@ def execute(
         with phases.phase("judge"):
             if suite.throughput:
                 return None, records, [*launch_checks(launches), judge_throughput(suite, run_dir, groups)]
-            records = {arm: read_arm(run_dir, arm, suite.arms[arm].ep) for arm in suite.arms}
+            records = {arm: read_arm(run_dir, arm, suite.arms[arm].logical_ranks) for arm in suite.arms}
             return None, records, collect_checks(suite, groups, launches, records, golden, pin)
     except Cancelled as c:
         return c, records, [cancelled_check(c, time.monotonic() - start)]
@@ -472,7 +473,7 @@ def prepare_run(
         golden = dataclasses.replace(golden, note=None)  # nothing to say: step times have no golden
     run_dir = make_run_dir(suite, options.out)
     with harness_log(run_dir), Cancellation():
-        trace_cache, cache_note = usable_trace_cache(options.trace_cache)
+        trace_cache, cache_note = usable_trace_cache(options.trace_cache, suite_subject(suite))
         options = dataclasses.replace(options, trace_cache=trace_cache)
         groups = plan_groups(suite)
         manifest = build_manifest(suite, options, key, pin, golden, groups)
@@ -550,7 +551,7 @@ def judge_run(run: PreparedRun, launch: GroupLauncher, out: TextIO = sys.stdout,
             print(line, file=out)
             log.info(line)
         if not suite.throughput:
-            records = records or {arm: read_arm(run_dir, arm, suite.arms[arm].ep) for arm in suite.arms}
+            records = records or {arm: read_arm(run_dir, arm, suite.arms[arm].logical_ranks) for arm in suite.arms}
         verdict, exit_code = ("cancelled", cancelled.exit_code) if cancelled else verdict_of(checks)
         summary = build_summary(
             suite, verdict, exit_code, time.monotonic() - start, run.key, golden, launches, records, checks
@@ -594,7 +595,7 @@ def build_summary(
         "ranks": suite.ranks,
         "steps": suite.throughput.steps if suite.throughput else suite.steps,  # per block position
         "arms": {
-            arm: {"ranks": spec.ranks, "ep": spec.ep}
+            arm: {"ranks": spec.ranks, "ep": spec.logical_ranks}
             | ({} if suite.throughput else {"steps_completed": records[arm].steps_done()})
             for arm, spec in suite.arms.items()
             if arm in records or (suite.throughput and arm in (suite.throughput.a, suite.throughput.b))

@@ -12,70 +12,35 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from harness.reference.pec import PECConfig
-from harness.reference.pipeline import PipelineConfig
-from harness.reference.train import TrainConfig
-
-
-def _own_fields(config: type[TrainConfig]) -> tuple[str, ...]:
-    """The fields a TrainConfig subclass adds."""
-    return tuple(
-        f.name for f in dataclasses.fields(config) if f.name not in {g.name for g in dataclasses.fields(TrainConfig)}
-    )
-
-
-# Setting any of these makes an arm versioned.
-PIPELINE_FIELDS = _own_fields(PipelineConfig)
-# Setting any of these makes the arm's token embedding a PEC table (harness.reference.pec).
-PEC_FIELDS = _own_fields(PECConfig)
-
-
-def is_versioned(train: dict[str, Any]) -> bool:
-    """An arm that sets any pipeline field runs on a delayed trainer (PipelineConfig.trainer); the rest on Trainer."""
-    return any(key in train for key in PIPELINE_FIELDS)
-
-
-def is_pec(train: dict[str, Any]) -> bool:
-    """An arm that sets any PEC field runs on PECTrainer."""
-    return any(key in train for key in PEC_FIELDS)
-
-
-def train_config(train: dict[str, Any]) -> TrainConfig:
-    """An arm's fields as the reference's config: a PipelineConfig for a versioned arm, a PECConfig for a PEC arm."""
-    if is_versioned(train) and is_pec(train):
-        raise ValueError(f"a PEC arm ({', '.join(PEC_FIELDS)}) has no delayed pipeline ({', '.join(PIPELINE_FIELDS)})")
-    if is_versioned(train):
-        return PipelineConfig(**train)
-    return PECConfig(**train) if is_pec(train) else TrainConfig(**train)
-
 
 @dataclass(frozen=True)
 class ArmSpec:
-    """One arm: the full TrainConfig keyword set and how many processes host its EP group."""
+    """One arm, as its subject parsed it (harness/subject/protocol.py): ``ranks`` processes host its
+    ``logical_ranks`` logical ranks (the reference's EP degree); ``train`` is its config as plain
+    JSON, what the ranks build it from; ``families`` the record families it emits; ``golden_config``
+    what a golden is recorded for (its fields set away from their defaults); ``dtype`` goes into the
+    environment key of its goldens; ``oracle`` names an implementation it trains in lockstep with."""
 
     name: str
     ranks: int
     train: dict[str, Any]
-    oracle: str | None = None  # an implementation trained in lockstep with it (harness.oracles)
+    logical_ranks: int
+    families: tuple[str, ...]
+    seed: int
+    golden_config: dict[str, Any]
+    dtype: str = "float32"
+    oracle: str | None = None
 
-    @property
-    def ep(self) -> int:
-        return self.train["ep"]
+    def emits(self, family: str) -> bool:
+        return family in self.families
 
-    @property
-    def versioned(self) -> bool:
-        return is_versioned(self.train)
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self) | {"families": list(self.families)}
 
-    def non_defaults(self) -> dict[str, Any]:
-        """The fields this arm sets away from the defaults of its config class (what a golden's
-        config records), and a versioned arm's ``trainer`` or a PEC arm's ``pec``, so that a field
-        added later with a default that keeps the old behaviour leaves older goldens valid."""
-        config_class = type(train_config(self.train))
-        defaults = dataclasses.asdict(config_class())
-        differing = {k: v for k, v in self.train.items() if k not in defaults or defaults[k] != v}
-        if self.versioned:
-            return {"trainer": self.train["trainer"], **differing}
-        return {"pec": self.train["pec"], **differing} if is_pec(self.train) else differing
+    @classmethod
+    def from_dict(cls, raw: dict[str, Any]) -> ArmSpec:
+        """An arm as manifest.json records it, for the ranks."""
+        return cls(**{**raw, "families": tuple(raw["families"])})
 
 
 @dataclass(frozen=True)
@@ -137,6 +102,7 @@ class SuiteSpec:
     throughput: ThroughputSpec | None = None  # set: a throughput run, judged by its ABBA gate
     expect: str = "pass"  # "fail": a negative suite, which passes when exactly ``expected_failures`` fail
     expected_failures: tuple[str, ...] = ()  # the check results (by name) a negative suite must fail
+    subject: str = "reference"  # the system under test (harness/subject/)
 
     def to_dict(self) -> dict[str, Any]:
         """The resolved suite as manifest.json records it (and the workers read it)."""
@@ -146,7 +112,8 @@ class SuiteSpec:
             "path": str(self.path),
             "ranks": self.ranks,
             "steps": self.steps,
-            "arms": {a.name: {"ranks": a.ranks, "train": a.train, "oracle": a.oracle} for a in self.arms.values()},
+            "subject": self.subject,
+            "arms": {a.name: a.to_dict() for a in self.arms.values()},
             "checks": [dataclasses.asdict(c) for c in self.checks],
             "golden": {
                 "tier": self.golden_tier,

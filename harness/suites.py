@@ -1,49 +1,35 @@
 """Suite files: TOML in, validated and typed specs out.
 
-A suite names its arms (each a TrainConfig of the reference plus a process count) and the
-checks to run on them. Every mistake, in the file or in a ``--set`` override, is reported as
-one line naming where it came from and the dotted field, before anything is launched:
+A suite names its system under test, its arms and the checks to run on them. Every mistake, in
+the file or in a ``--set`` override, is reported as one line naming where it came from and the
+dotted field, before anything is launched:
 ``suites/parity.toml: arms.graph.chunks: expected int >= 1, got "two"``.
 
-Process count and EP degree: ``ranks`` (suite level, ``--ranks``) is the default process
-count of every arm, and ``ep`` defaults to the suite's ``ranks``. So an arm that sets only
-``ranks = 1`` hosts the whole EP group in one process (logical ranks), whatever ``--ranks``.
-
-Trainers: an arm that sets any field of the delayed pipeline (``delay``,
-``max_gradient_staleness``, ``retention``, ``correction``, ``correction_clip``, ``trainer``,
-``apply_twice_batch``), in its own table or in ``[train]``, is a *versioned* arm: it resolves to a
-``PipelineConfig`` and runs on ``VersionedTrainer``, or on ``DelayedOracleTrainer`` with
-``trainer = "delayed-oracle"``; every other arm is a plain ``TrainConfig`` on ``Trainer``. An arm may also
-name its own ``model`` (default: ``[model] config``) and an ``oracle``: ``"hf"`` trains it in
-lockstep with Hugging Face transformers (see :mod:`harness.oracles`), which must be installed.
+The suite's system under test is its ``subject`` (``"reference"`` by default; see
+:mod:`harness.subject`). Its ``[model]``, ``[train]`` and ``[arms.NAME]`` tables are the subject's
+own fields, which it parses with the typed readers here; everything else (checks, golden, debug,
+throughput, expectations) is the harness's. A check that reads a record family its arm cannot emit
+(:mod:`harness.subject.protocol`) is refused, naming the check and the subject.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import difflib
-import json
 import math
 import re
 import tomllib
-import typing
-from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from harness import oracles
 from harness.checks import FAMILIES
 from harness.checks.pairs import DEFAULT_METRICS
 from harness.compare import tier_from_spec
 from harness.records import METRIC_COLUMNS
-from harness.reference.hf_config import HF_BASE, HFConfigError, hf_config_fields
-from harness.reference.model import CONFIGS, DeepseekV3Config, get_config
-from harness.reference.pec import PECConfig
-from harness.reference.pipeline import PipelineConfig
-from harness.reference.train import TrainConfig
 from harness.shipped import shipped_dir
-from harness.specs import ArmSpec, CheckSpec, DebugSpec, SuiteSpec, ThroughputSpec, train_config
+from harness.specs import ArmSpec, CheckSpec, DebugSpec, SuiteSpec, ThroughputSpec
+from harness.subject import DEFAULT, Subject, SubjectError, load_subject
+from harness.subject.config import display_path, show
+from harness.subject.protocol import SuiteTables
 
 # The shipped suites; --suites-dir names a folder of the user's own instead.
 SUITES_DIR = shipped_dir("suites")
@@ -58,56 +44,15 @@ CHECK_NAME_PATTERN = re.compile(r"[A-Za-z0-9][A-Za-z0-9 _.,:()+-]*")
 CROSS_ENV_TIER = {"kind": "close", "rtol": 1e-4, "atol": 0.0}
 
 
-def _value_type(hint: Any) -> type:
-    """``int | None`` -> int: TOML has no null, so an optional field is either set or left out."""
-    return next((arg for arg in typing.get_args(hint) if arg is not type(None)), hint)
-
-
-# TrainConfig fields, the pipeline's and PEC's, that a suite may set in [train] or [arms.X]; the model
-# comes from [model] and the device from --device, so that one suite file runs anywhere.
-_TRAIN_FIELDS: dict[str, type] = {
-    name: _value_type(hint)
-    for name, hint in (typing.get_type_hints(PipelineConfig) | typing.get_type_hints(PECConfig)).items()
-    if name not in ("model", "model_overrides", "device")
-}
-# Sizes and rates that must be positive; other numbers need only be non-negative ints or finite
-# floats, and the reference's TrainConfig validates its own domains after this.
-_POSITIVE = {"ep", "local_batch", "seq_len", "chunks", "num_buffer_sets", "lr", "max_norm"}
-# DeepseekV3Config fields a suite may set in [model] (or --set model.FIELD), and those a
-# config.json may set to null (TOML has no null: in a suite they are set or left out).
-_MODEL_HINTS = typing.get_type_hints(DeepseekV3Config)
-_MODEL_FIELDS: dict[str, type] = {name: _value_type(hint) for name, hint in _MODEL_HINTS.items()}
-_MODEL_NULLABLE = {name for name, hint in _MODEL_HINTS.items() if type(None) in typing.get_args(hint)}
-# Every model int is a size >= 1 but these; floats need only be finite but the positive ones.
-_MODEL_MAY_BE_ZERO = {"first_k_dense_replace", "n_shared_experts", "pad_token_id"}
-_MODEL_POSITIVE = {name for name, kind in _MODEL_FIELDS.items() if kind is int and name not in _MODEL_MAY_BE_ZERO} | {
-    "rms_norm_eps",
-    "rope_theta",
-    "initializer_range",
-    "rope_factor",
-    "rope_beta_fast",
-    "rope_beta_slow",
-}
 _TOP_KEYS = (
     "name", "description", "ranks", "steps", "model", "train", "arms", "checks", "golden", "debug", "throughput",
-    "expect", "expected_failures",
+    "expect", "expected_failures", "subject",
 )  # fmt: skip
 _TABLES = ("model", "train", "golden", "debug", "throughput")
 
 
 class SuiteError(Exception):
     """A bad suite or override; the message is one line naming the file (or --set) and field."""
-
-
-@dataclass(frozen=True)
-class _Model:
-    """[model] resolved: the reference's config name and the fields set away from it (what the
-    ranks build, in TrainConfig.model and model_overrides), and the config as the suite named it."""
-
-    name: str
-    overrides: dict[str, Any]
-    shown: str
-    n_routed_experts: int
 
 
 def suite_path(name_or_path: str, suites_dir: Path = SUITES_DIR) -> Path:
@@ -148,31 +93,27 @@ def load_suite(
             raw = tomllib.load(f)
     except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
         raise SuiteError(f"{shown}: invalid TOML: {e}") from None
-    v = _Validator(shown, device)
+    v = _Validator(shown, device, _subject(raw, path, shown))
     for origin, item in overrides:
         v.apply_override(raw, origin, item)
     return v.suite(raw, path)
 
 
+def _subject(raw: dict, path: Path, shown: str) -> Subject:
+    """The suite's ``subject``, loaded (a ``module:factory`` from beside the suite file first)."""
+    name = raw.get("subject", DEFAULT)
+    if not isinstance(name, str) or not name:
+        raise SuiteError(f"{shown}: subject: expected a non-empty string, got {show(name)}")
+    try:
+        return load_subject(name, path.resolve().parent)
+    except SubjectError as e:
+        raise SuiteError(f"{shown}: subject: {e}") from None
+
+
 def field_reader(shown: str) -> _Validator:
     """The suite validator's typed readers for another TOML file (a Slurm profile), so that its
     errors read as a suite's do: ``<file>: <dotted field>: expected ..., got ...``."""
-    return _Validator(shown, "cpu")
-
-
-def display_path(path: Path) -> str:
-    """A path as errors show it: relative to the working directory where it lies below it."""
-    try:
-        return str(path.resolve().relative_to(Path.cwd()))
-    except ValueError:
-        return str(path)
-
-
-def _show(value: Any) -> str:
-    try:
-        return json.dumps(value)
-    except TypeError:
-        return repr(value)
+    return _Validator(shown, "cpu", None)
 
 
 def _parse_value(text: str) -> Any:
@@ -186,10 +127,21 @@ def _parse_value(text: str) -> Any:
 class _Validator:
     """Walks the raw TOML tree; remembers which fields came from overrides to name them in errors."""
 
-    def __init__(self, shown: str, device: str) -> None:
+    max_ranks = MAX_RANKS
+
+    def __init__(self, shown: str, device: str, subject: Subject | None) -> None:
         self.shown = shown
         self.device = device
+        self.subject = subject
         self.origins: dict[str, str] = {}  # dotted field -> "--set key" / "--ranks"
+
+    def overridden(self, dotted: str) -> bool:
+        """Whether ``dotted`` was set by an override (a relative path in it is then the working directory's)."""
+        return dotted in self.origins
+
+    def for_file(self, shown: str) -> _Validator:
+        """Readers for another file the suite names (a config.json): errors name that file."""
+        return _Validator(shown, self.device, self.subject)
 
     def error(self, dotted: str, msg: str) -> SuiteError:
         for field, origin in self.origins.items():
@@ -206,8 +158,10 @@ class _Validator:
         if not sep or not key:
             raise SuiteError(f"{origin} {item}: expected key=value")
         value = _parse_value(text.strip())
-        if "." not in key and key not in _TOP_KEYS and key in _TRAIN_FIELDS:
-            # Shorthand: a bare TrainConfig field applies to the suite and to every arm setting it.
+        if key == "subject":
+            raise SuiteError(f"{label}: the subject is the suite file's; it cannot be overridden")
+        if "." not in key and key not in _TOP_KEYS and key in self.subject.train_fields:
+            # Shorthand: a bare train field applies to the suite and to every arm setting it.
             arms = raw.get("arms") if isinstance(raw.get("arms"), dict) else {}
             targets = ["train." + key] + [
                 f"arms.{arm}.{key}" for arm, table in arms.items() if isinstance(table, dict) and key in table
@@ -233,9 +187,9 @@ class _Validator:
                     node[part] = {}
                 elif depth == 1 and parts[0] == "arms":
                     known = ", ".join(raw.get("arms", {}))
-                    raise SuiteError(f"{label}: no arm named {_show(part)} (arms: {known})")
+                    raise SuiteError(f"{label}: no arm named {show(part)} (arms: {known})")
                 else:
-                    raise SuiteError(f"{label}: unknown key {_show(here)}")
+                    raise SuiteError(f"{label}: unknown key {show(here)}")
             node = node[part]
         last = parts[-1]
         if isinstance(node, list):
@@ -255,7 +209,7 @@ class _Validator:
 
     def table(self, raw: Any, dotted: str, allowed: tuple[str, ...] | dict) -> dict:
         if not isinstance(raw, dict):
-            raise self.error(dotted, f"expected a table, got {_show(raw)}")
+            raise self.error(dotted, f"expected a table, got {show(raw)}")
         for key in raw:
             if key not in allowed:
                 where = f"{dotted}.{key}" if dotted else key
@@ -265,38 +219,28 @@ class _Validator:
     def int_(self, value: Any, dotted: str, lo: int = 1, hi: int | None = None) -> int:
         bounds = f">= {lo}" if hi is None else f"in {lo}-{hi}"
         if isinstance(value, bool) or not isinstance(value, int) or value < lo or (hi is not None and value > hi):
-            raise self.error(dotted, f"expected int {bounds}, got {_show(value)}")
+            raise self.error(dotted, f"expected int {bounds}, got {show(value)}")
         return value
 
     def str_(self, value: Any, dotted: str, choices: tuple[str, ...] | None = None) -> str:
         if not isinstance(value, str) or not value:
-            raise self.error(dotted, f"expected a non-empty string, got {_show(value)}")
+            raise self.error(dotted, f"expected a non-empty string, got {show(value)}")
         if choices is not None and value not in choices:
-            raise self.error(dotted, f"expected one of {', '.join(choices)}, got {_show(value)}")
+            raise self.error(dotted, f"expected one of {', '.join(choices)}, got {show(value)}")
         return value
 
     def str_list(self, value: Any, dotted: str, choices: tuple[str, ...] | list[str]) -> tuple[str, ...]:
         if not isinstance(value, list) or not value:
-            raise self.error(dotted, f"expected a non-empty list of strings, got {_show(value)}")
+            raise self.error(dotted, f"expected a non-empty list of strings, got {show(value)}")
         for i, item in enumerate(value):
             self.str_(item, f"{dotted}.{i}", tuple(choices))
         return tuple(value)
-
-    def train_value(self, value: Any, dotted: str, key: str) -> Any:
-        """Type-checks one TrainConfig field against its annotation."""
-        return self.typed(value, dotted, _TRAIN_FIELDS[key], key in _POSITIVE)
-
-    def model_value(self, value: Any, dotted: str, key: str) -> Any:
-        """Type-checks one DeepseekV3Config field against its annotation; null only where it allows None."""
-        if value is None and key in _MODEL_NULLABLE:
-            return None
-        return self.typed(value, dotted, _MODEL_FIELDS[key], key in _MODEL_POSITIVE)
 
     def typed(self, value: Any, dotted: str, expected: type, positive: bool) -> Any:
         """``value`` as a bool, int (>= 1 if ``positive``, else >= 0), finite float (> 0 if ``positive``) or string."""
         if expected is bool:
             if not isinstance(value, bool):
-                raise self.error(dotted, f"expected true or false, got {_show(value)}")
+                raise self.error(dotted, f"expected true or false, got {show(value)}")
             return value
         if expected is int:
             return self.int_(value, dotted, lo=1 if positive else 0)
@@ -304,7 +248,7 @@ class _Validator:
             number = not isinstance(value, bool) and isinstance(value, (int, float)) and math.isfinite(value)
             if not number or (positive and value <= 0):
                 raise self.error(
-                    dotted, f"expected a {'number > 0' if positive else 'finite number'}, got {_show(value)}"
+                    dotted, f"expected a {'number > 0' if positive else 'finite number'}, got {show(value)}"
                 )
             return float(value)
         if expected is str:
@@ -322,25 +266,21 @@ class _Validator:
         description = self.str_(raw["description"], "description")
         ranks = self.int_(raw["ranks"], "ranks", 1, MAX_RANKS)
         steps = self.int_(raw["steps"], "steps")
-        model = self.model(raw.get("model", {}), path)
-        base = self.train_table(raw.get("train", {}), "train", allowed=tuple(_TRAIN_FIELDS))
         arms_raw = raw["arms"]
         if not isinstance(arms_raw, dict) or not arms_raw:
-            raise self.error("arms", f"expected at least one [arms.NAME] table, got {_show(arms_raw)}")
-        arms = {
-            self.name(arm, f"arms.{arm}"): self.arm(arm, table, base, model, ranks, steps, raw.get("model", {}), path)
-            for arm, table in arms_raw.items()
-        }
+            raise self.error("arms", f"expected at least one [arms.NAME] table, got {show(arms_raw)}")
+        tables = SuiteTables(raw.get("model", {}), raw.get("train", {}), arms_raw, ranks, steps, path, self.device)
+        arms = self.subject.parse_arms(tables, self)
         throughput = self.throughput(raw["throughput"], arms) if "throughput" in raw else None
         checks_raw = raw.get("checks", [])
         if not isinstance(checks_raw, list) or (not checks_raw and throughput is None):
             # A suite that checks nothing would pass whatever its arms did; a throughput run has its gate.
-            raise self.error("checks", f"expected at least one [[checks]] table, got {_show(checks_raw)}")
+            raise self.error("checks", f"expected at least one [[checks]] table, got {show(checks_raw)}")
         checks = tuple(self.check(c, f"checks.{i}", arms) for i, c in enumerate(checks_raw))
         names = [c.name for c in checks]
         for i, c in enumerate(checks):
             if names.count(c.name) > 1:
-                raise self.error(f"checks.{i}.name", f"duplicate check name {_show(c.name)}")
+                raise self.error(f"checks.{i}.name", f"duplicate check name {show(c.name)}")
         golden_tier, golden_metrics, cross_env = self.golden(raw.get("golden", {}))
         debug = self.debug(raw.get("debug", {}), arms, steps)
         expect, expected_failures = self.expectation(raw, throughput)
@@ -359,6 +299,7 @@ class _Validator:
             throughput,
             expect,
             expected_failures,
+            raw.get("subject", DEFAULT),
         )
 
     def expectation(self, raw: dict, throughput: ThroughputSpec | None) -> tuple[str, tuple[str, ...]]:
@@ -377,7 +318,7 @@ class _Validator:
             raise self.error("expected_failures", 'missing: expect = "fail" needs the checks that must fail')
         names = raw["expected_failures"]
         if not isinstance(names, list) or not names or not all(isinstance(n, str) for n in names):
-            raise self.error("expected_failures", f"expected a non-empty list of check names, got {_show(names)}")
+            raise self.error("expected_failures", f"expected a non-empty list of check names, got {show(names)}")
         return expect, tuple(names)
 
     def throughput(self, raw: Any, arms: dict[str, ArmSpec]) -> ThroughputSpec:
@@ -393,7 +334,7 @@ class _Validator:
         for key in ("a", "b"):
             if arms[values[key]].oracle:
                 raise self.error(
-                    f"throughput.{key}", f"arm {_show(values[key])} trains in lockstep with an oracle: not timed"
+                    f"throughput.{key}", f"arm {show(values[key])} trains in lockstep with an oracle: not timed"
                 )
         for key, lo in (("blocks", 2), ("steps", 1), ("warmup", 0)):
             if key in table:
@@ -404,160 +345,14 @@ class _Validator:
             values["control"] = self.typed(table["control"], "throughput.control", bool, False)
         spec = ThroughputSpec(**values)
         if spec.max_slowdown < 0:
-            raise self.error("throughput.max_slowdown", f"expected a number >= 0, got {_show(spec.max_slowdown)}")
+            raise self.error("throughput.max_slowdown", f"expected a number >= 0, got {show(spec.max_slowdown)}")
         return spec
 
     def name(self, value: Any, dotted: str) -> str:
         """Suite and arm names become directories: lowercase letters, digits, '-' and '_' only."""
         if not isinstance(value, str) or not NAME_PATTERN.fullmatch(value):
-            raise self.error(dotted, f"expected a name of lowercase letters, digits, '-' or '_', got {_show(value)}")
+            raise self.error(dotted, f"expected a name of lowercase letters, digits, '-' or '_', got {show(value)}")
         return value
-
-    def model(self, raw: Any, suite_file: Path) -> _Model:
-        """[model]: ``config``, a named config or a Hugging Face config.json, then any DeepseekV3Config
-        fields replacing its values. A field that makes the model invalid is named where it was set."""
-        if not isinstance(raw, dict):
-            raise self.error("model", f"expected a table, got {_show(raw)}")
-        for key in raw:
-            if key != "config" and key not in _MODEL_FIELDS:
-                near = difflib.get_close_matches(key, _MODEL_FIELDS, n=1)
-                hint = f"did you mean {near[0]}? " if near else ""
-                raise self.error(f"model.{key}", f"unknown key ({hint}allowed: config and the DeepseekV3Config fields)")
-        shown = self.str_(raw.get("config", TrainConfig.model), "model.config")
-        where: dict[str, tuple[_Validator, str]] = {}  # field -> the validator of its file, its dotted key
-        if shown in CONFIGS:
-            name, values = shown, {}
-        elif shown.endswith(".json") or "/" in shown:
-            name, values = HF_BASE, self.hf_config(shown, suite_file, where)
-        else:
-            choices = ", ".join(CONFIGS)
-            raise self.error(
-                "model.config", f"expected one of {choices} or a path to a Hugging Face config.json, got {_show(shown)}"
-            )
-        for key, value in raw.items():
-            if key != "config":
-                values[key] = self.model_value(value, f"model.{key}", key)
-                where[key] = (self, f"model.{key}")
-        try:
-            resolved = get_config(name, **values)
-        except ValueError as e:
-            # DeepseekV3Config's messages start with the field they reject.
-            validator, dotted = where.get(str(e).split()[0], (self, "model.config"))
-            raise validator.error(dotted, str(e)) from None
-        overrides = {k: v for k, v in values.items() if getattr(CONFIGS[name], k) != v}
-        return _Model(name, overrides, shown, resolved.n_routed_experts)
-
-    def hf_config(self, shown: str, suite_file: Path, where: dict[str, tuple[_Validator, str]]) -> dict[str, Any]:
-        """The fields a Hugging Face config.json sets, typed; errors name the JSON file and key.
-        A relative path is relative to the suite file, or to the working directory from --set."""
-        path = Path(shown)
-        if not path.is_absolute() and "model.config" not in self.origins:
-            path = suite_file.parent / path
-        if not path.is_file():
-            raise self.error("model.config", f"no such file {_show(str(path))}")
-        hf_file = _Validator(display_path(path), self.device)
-        try:
-            hf = json.loads(path.read_text())
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            raise hf_file.error("", f"invalid JSON: {e}") from None
-        if not isinstance(hf, dict):
-            raise hf_file.error("", f"expected a JSON object, got {_show(hf)}")
-        try:
-            found = hf_config_fields(hf)
-        except HFConfigError as e:
-            raise hf_file.error(e.key, e.reason) from None
-        values = {}
-        for field, (key, value) in found.items():
-            values[field] = hf_file.model_value(value, key, field)
-            where[field] = (hf_file, key)
-        return values
-
-    def train_table(self, raw: Any, dotted: str, allowed: tuple[str, ...]) -> dict[str, Any]:
-        table = self.table(raw, dotted, allowed)
-        return {k: self.train_value(v, f"{dotted}.{k}", k) for k, v in table.items() if k in _TRAIN_FIELDS}
-
-    def arm(
-        self,
-        name: str,
-        raw: Any,
-        base: dict[str, Any],
-        model: _Model,
-        suite_ranks: int,
-        steps: int,
-        model_raw: dict,
-        suite_file: Path,
-    ) -> ArmSpec:
-        """One [arms.NAME] table over [train]; its ``model``, a named config, replaces [model]'s
-        ``config`` and keeps [model]'s field overrides."""
-        dotted = f"arms.{name}"
-        own = self.train_table(raw, dotted, allowed=("ranks", "model", "oracle", *_TRAIN_FIELDS))
-        ranks = self.int_(raw["ranks"], f"{dotted}.ranks", 1, MAX_RANKS) if "ranks" in raw else suite_ranks
-        if "model" in raw:
-            named = self.str_(raw["model"], f"{dotted}.model", tuple(CONFIGS))
-            model = self.model({**model_raw, "config": named}, suite_file)
-        ranks_field = f"{dotted}.ranks" if "ranks" in raw else "ranks"
-        merged = {
-            "ep": suite_ranks,
-            **base,
-            **own,
-            "model": model.name,
-            "model_overrides": model.overrides,
-            "device": self.device,
-        }
-
-        def source(key: str) -> str:
-            """The field a merged value came from; ep falls back to the suite's ranks."""
-            return (
-                f"{dotted}.{key}"
-                if key in own
-                else f"train.{key}"
-                if key in base
-                else "ranks"
-                if key == "ep"
-                else dotted
-            )
-
-        if model.n_routed_experts % merged["ep"]:
-            raise self.error(
-                source("ep"),
-                f"EP degree {merged['ep']} does not divide the {model.n_routed_experts} routed experts"
-                f" of model {_show(model.shown)}",
-            )
-        if merged["ep"] % ranks:
-            raise self.error(
-                ranks_field, f"{ranks} processes do not divide EP degree {merged['ep']} of arm {_show(name)}"
-            )
-        try:
-            config = train_config(merged)
-        except (TypeError, ValueError) as e:
-            # The reference's own validation; its messages start with the field they reject.
-            first_word = str(e).split()[0] if str(e) else ""
-            raise self.error(source(first_word) if first_word in _TRAIN_FIELDS else dotted, str(e)) from None
-        if isinstance(config, PipelineConfig):
-            self.pipeline(config, source, steps)
-        oracle = self.oracle(raw["oracle"], f"{dotted}.oracle", config) if "oracle" in raw else None
-        return ArmSpec(name, ranks, dataclasses.asdict(config), oracle)
-
-    def oracle(self, value: Any, dotted: str, config: TrainConfig) -> str:
-        """An oracle the arm's configuration has a counterpart in, and whose package is installed."""
-        oracle = self.str_(value, dotted, oracles.ORACLES)
-        problem = oracles.unsupported(config) or oracles.missing_dependency()
-        if problem:
-            raise self.error(dotted, problem)
-        return oracle
-
-    def pipeline(self, config: PipelineConfig, source: Callable[[str], str], steps: int) -> None:
-        """What the reference accepts but can never run: it would only fail inside the ranks."""
-        if config.delay > config.max_gradient_staleness:
-            # The backward of every batch after the fill would be refused (CommitRefused): reject it here, exit 2.
-            raise self.error(
-                source("delay"), f"delay {config.delay} exceeds max_gradient_staleness {config.max_gradient_staleness}"
-            )
-        if config.apply_twice_batch is not None and not 1 <= config.apply_twice_batch <= steps:
-            # Batches are numbered like steps; a batch that never runs would plant no bug at all.
-            raise self.error(
-                source("apply_twice_batch"), f"expected a batch id in 1-{steps}, got {config.apply_twice_batch}"
-            )
 
     def arm_pair(self, raw: dict, dotted: str, arms: dict[str, ArmSpec]) -> tuple[str, str]:
         if "arms" not in raw:
@@ -567,24 +362,41 @@ class _Validator:
             return first, second
         pair = self.str_list(raw["arms"], f"{dotted}.arms", list(arms))
         if len(pair) != 2 or pair[0] == pair[1]:
-            raise self.error(f"{dotted}.arms", f"expected two different arm names, got {_show(list(pair))}")
+            raise self.error(f"{dotted}.arms", f"expected two different arm names, got {show(list(pair))}")
         return pair[0], pair[1]
 
     def check(self, raw: Any, dotted: str, arms: dict[str, ArmSpec]) -> CheckSpec:
         """A [[checks]] table, parsed by the family that owns its kind (harness/checks/)."""
         if not isinstance(raw, dict):
-            raise self.error(dotted, f"expected a table, got {_show(raw)}")
+            raise self.error(dotted, f"expected a table, got {show(raw)}")
         if "kind" not in raw:
             raise self.error(f"{dotted}.kind", f"missing (one of {', '.join(FAMILIES)})")
         kind = self.str_(raw["kind"], f"{dotted}.kind", tuple(FAMILIES))
-        return FAMILIES[kind].parse(kind, raw, dotted, self, arms)
+        family = FAMILIES[kind]
+        unfed = sorted(set(family.reads_of(kind)) - self.subject.families)
+        if unfed:
+            raise self.error(
+                f"{dotted}.kind",
+                f"{kind} reads {', '.join(unfed)} records, which subject {show(self.subject.name)} does not emit"
+                f" (it emits: {', '.join(sorted(self.subject.families))})",
+            )
+        check = family.parse(kind, raw, dotted, self, arms)
+        for arm in check.arms:
+            missing = sorted(set(family.reads_of(kind)) - set(arms[arm].families))
+            if missing:
+                raise self.error(
+                    f"{dotted}.arms" if "arms" in raw else dotted,
+                    f'{kind} reads {", ".join(missing)} records, which arm "{arm}" of subject'
+                    f" {show(self.subject.name)} does not emit",
+                )
+        return check
 
     def check_name(self, value: Any, dotted: str) -> str:
         """Check names label reports and plots: no markup, path or shell characters."""
         if not isinstance(value, str) or not CHECK_NAME_PATTERN.fullmatch(value):
             allowed = "letters, digits, spaces and _ . , : ( ) + -"
             raise self.error(
-                dotted, f"expected a name of {allowed}, starting with a letter or digit, got {_show(value)}"
+                dotted, f"expected a name of {allowed}, starting with a letter or digit, got {show(value)}"
             )
         return value
 
@@ -601,7 +413,7 @@ class _Validator:
         """(tier, metrics, cross-environment tier) of the [golden] table."""
         # The tier parser rejects fields the tier lacks; "arms" and "name" mean nothing here.
         if not isinstance(raw, dict):
-            raise self.error("golden", f"expected a table, got {_show(raw)}")
+            raise self.error("golden", f"expected a table, got {show(raw)}")
         for key in ("arms", "name"):
             if key in raw:
                 raise self.error(
@@ -610,7 +422,7 @@ class _Validator:
         own = {k: v for k, v in raw.items() if k != "cross_env"}
         cross_env = raw.get("cross_env", CROSS_ENV_TIER)
         if not isinstance(cross_env, dict) or cross_env.get("kind") == "exact":
-            raise self.error("golden.cross_env", f"expected a tier table that is not exact, got {_show(cross_env)}")
+            raise self.error("golden.cross_env", f"expected a tier table that is not exact, got {show(cross_env)}")
         metrics = self.metric_list(own, "golden", DEFAULT_METRICS)
         cross_tier = self.tier(cross_env, "golden.cross_env")
         for key in ("metrics", "arms", "name"):
@@ -623,7 +435,7 @@ class _Validator:
         arm = self.str_(table["fail_arm"], "debug.fail_arm", tuple(arms)) if "fail_arm" in table else next(iter(arms))
         slow_fraction = self.typed(table.get("slow_fraction", 0.0), "debug.slow_fraction", float, False)
         if slow_fraction < 0:
-            raise self.error("debug.slow_fraction", f"expected a number >= 0, got {_show(slow_fraction)}")
+            raise self.error("debug.slow_fraction", f"expected a number >= 0, got {show(slow_fraction)}")
         if slow_fraction and "slow_arm" not in table:
             raise self.error("debug.slow_arm", f"missing (the arm to slow down: {', '.join(arms)})")
         return DebugSpec(

@@ -8,7 +8,7 @@ The rules, in order:
 1. It died by a signal (SIGKILL, SIGSEGV, SIGABRT, ...): infrastructure. A SIGKILL while the
    cgroup's OOM-kill counter rose is named an OOM kill.
 2. It raised, and its exception matches a flake pattern below: infrastructure.
-3. It raised, and the traceback passes through the system under test (``harness/reference/``):
+3. It raised, and the traceback passes through the system under test (its ``Subject.source``):
    a regression, reported as the failed check "rank k raised" with the traceback. A shape error
    or an internal consistency assertion ("replay of batch 2 diverged") a change introduced fails
    the same way on every retry.
@@ -22,13 +22,11 @@ from __future__ import annotations
 
 import re
 import signal
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-import harness.reference
-
 REGRESSION, INFRASTRUCTURE = "regression", "infrastructure"
-SUBJECT_DIR = Path(harness.reference.__file__).resolve().parent
 MEMORY_EVENTS = Path("/sys/fs/cgroup/memory.events")
 
 # (what it is, pattern on the exception line): failures that retrying may cure.
@@ -72,9 +70,11 @@ def oom_kills() -> int | None:
     return int(match[1]) if match else None
 
 
-def classify(exitcode: int, traceback: str | None, oom_kills_during: int = 0) -> Verdict:
+def classify(
+    exitcode: int, traceback: str | None, oom_kills_during: int = 0, subject_source: Sequence[Path] = ()
+) -> Verdict:
     """Applies the rules above to the root-cause rank: its exit code (negative: killed by that
-    signal) and the traceback it left, if any."""
+    signal), the traceback it left, if any, and the folders of the subject's code."""
     if exitcode < 0:
         name = signal.Signals(-exitcode).name
         if oom_kills_during > 0 and -exitcode == signal.SIGKILL:
@@ -86,7 +86,8 @@ def classify(exitcode: int, traceback: str | None, oom_kills_during: int = 0) ->
     for what, pattern in FLAKE_PATTERNS:
         if pattern.search(line):
             return Verdict(INFRASTRUCTURE, f"{what} error")
-    subject = [f for f in _FRAME.findall(traceback) if Path(f).resolve().is_relative_to(SUBJECT_DIR)]
+    frames = [Path(f).resolve() for f in _FRAME.findall(traceback)]
+    subject = [f for f in frames if any(f.is_relative_to(folder) for folder in subject_source)]
     if subject:
         return Verdict(REGRESSION, f"raised in the system under test ({Path(subject[-1]).name})")
     return Verdict(INFRASTRUCTURE, "raised outside the system under test")

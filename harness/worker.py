@@ -1,22 +1,14 @@
 """One rank of a launch group: ``python -m harness.worker RUN_DIR GROUP``, started by a launcher (harness/launchers/).
 
-Runs each arm of the group in turn, re-seeded identically, and streams what the parent
-judges: ``arms/<arm>/metrics.jsonl`` and ``digests.jsonl`` (process rank 0, for logical rank 0),
-``arm.json`` and, for a traced arm, ``graph.json`` (its scheduled exchange ops; process rank 0),
-and ``events.rank<k>.jsonl`` and ``ranks.rank<k>.jsonl`` (the process hosting logical rank k; see
-:mod:`harness.digests`), and for a PEC arm ``pec.rank<k>.jsonl`` (its table's lookups, gradient
-all-to-all starts and applies; see :mod:`harness.reference.pec`). Every line is flushed, so a
-crash leaves every finished step on disk.
-After the arm's last update, the process hosting each logical rank of a reference trainer writes
-``weights.rank<k>.json``: a hash of each of its parameters (:func:`harness.digests.final_weights`),
-so final weights compare bit for bit.
-
-A plain arm runs on ``Trainer``, a versioned arm (one that sets a pipeline field) on the trainer
-its ``trainer`` field names: ``VersionedTrainer``, or ``DelayedOracleTrainer``, the same delayed
-training written from the definition. Their metrics lines add the pipeline's columns (tick,
-revision, ages, batches_applied, correction statistics, forwards, recomputes). An arm with ``oracle = "hf"``
-runs ``Trainer`` in lockstep with Hugging Face transformers (:mod:`harness.oracles.hf`) and
-also streams ``arms/<arm>/fidelity.jsonl`` (process rank 0).
+Runs each arm of the group in turn, built by the suite's subject (harness/subject/) from a fresh
+seed, and writes what it records (``harness/rundir.py`` names every file): ``metrics.jsonl`` (one
+:class:`~harness.subject.protocol.StepRecord` a line) and ``digests.jsonl`` (process rank 0, for
+logical rank 0), ``arm.json`` (the arm's config, what the built arm says of itself, the CPU kernel
+ISA) and ``graph.json`` (a traced arm's exchange ops; process rank 0), and per logical rank
+``events.rank<k>.jsonl``, ``ranks.rank<k>.jsonl`` and ``pec.rank<k>.jsonl`` (the process hosting
+it). Every line is flushed, so a crash leaves every finished step on disk. After the arm's last
+update each process writes its logical ranks' ``weights.rank<k>.json``: a hash of each parameter
+(:func:`harness.digests.final_weights`), so final weights compare bit for bit.
 
 A throughput run's group lists block positions instead (:mod:`harness.throughput`): the rank
 builds each copy of an arm once, records nothing of the training, and times the positions in
@@ -45,9 +37,9 @@ import sys
 import threading
 import time
 import traceback
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -57,25 +49,16 @@ import harness
 from harness.digests import HASH_EVERY, digest_all, final_weights, parameters_hash
 from harness.phases import PhaseLog
 from harness.records import JsonlWriter, write_json_atomic
-from harness.reference.chunking.trace_cache import GraphCache
-from harness.reference.delayed_oracle import DelayedOracleTrainer
-from harness.reference.ep.exchange import EventSink
-from harness.reference.pec import PECConfig, PECSink, PECTrainer
-from harness.reference.pipeline import PipelineConfig, VersionedTrainer
-from harness.reference.train import GradSink, RankUpdate, TrainConfig, Trainer, UpdateSink
 from harness.rundir import MANIFEST, THROUGHPUT, ArmFiles, arm_files, phases_file
-from harness.specs import train_config
-
-if TYPE_CHECKING:
-    from harness.oracles.hf import HFLockstep
+from harness.specs import ArmSpec
+from harness.subject import Subject, load_subject
+from harness.subject.protocol import Arm, ArmContext, RankUpdate, StepRecord
 
 _PR_SET_PDEATHSIG = 1
 # The harness process (the elastic agent) exports its pid, so a rank can tell it was orphaned.
 AGENT_PID_ENV = "HARNESS_AGENT_PID"
 # Exit code of an injected `fail_mode = "exit"`, recognisable in the parent's message.
 INJECTED_EXIT_CODE = 13
-# PipelineConfig.trainer -> the class that runs such an arm.
-PIPELINE_TRAINERS: dict[str, type[Trainer]] = {"versioned": VersionedTrainer, "delayed-oracle": DelayedOracleTrainer}
 # Disk space a rank claims at start-up for its error file: a traceback is a few kilobytes.
 ERROR_ROOM_BYTES = 64 * 1024
 
@@ -183,27 +166,16 @@ def _inject_fault(debug: dict[str, Any], arm: str, step: int, rank: int) -> bool
         time.sleep(1)
 
 
-def updates(trainer: Trainer, steps: int, before_step: Callable[[int], bool]) -> Iterator[dict]:
-    """One record per optimizer update, numbered 1..steps, whichever the trainer; ends early, and
-    undrained, where ``before_step`` returns False.
-
-    Batches are numbered like steps, for a versioned trainer too (its own ``run`` counts from 0):
-    at delay 0 it then trains on the data a plain Trainer sees at the same step, so the two
-    compare exactly. Its updates, counted from 0, become steps from 1; update k applies batch k.
-    """
-    versioned = isinstance(trainer, tuple(PIPELINE_TRAINERS.values()))
-
-    def ticks() -> Iterator[dict | None]:
-        for step in range(1, steps + 1):
-            if not before_step(step):
-                return
-            yield trainer.step(step)  # None while a versioned pipeline fills
-        if versioned:
-            yield from trainer.drain()
-
-    for result in ticks():
-        if result is not None:
-            yield {**result, "step": result["step"] + 1} if versioned else result
+def updates(arm: Arm, steps: int, before_step: Callable[[int], bool]) -> Iterator[StepRecord]:
+    """The arm's updates, 1..steps, then those a pipeline still had in flight; ends early, and
+    undrained, where ``before_step`` returns False."""
+    for step in range(1, steps + 1):
+        if not before_step(step):
+            return
+        record = arm.step(step)  # None while a pipeline fills
+        if record is not None:
+            yield record
+    yield from arm.drain()
 
 
 class _ArmWriters:
@@ -215,132 +187,95 @@ class _ArmWriters:
         self._writers: dict[Path, JsonlWriter] = {}
         self._opening = threading.Lock()
 
-    def write(self, path: Path, record: dict) -> None:
+    def write(self, path: Path, record: Mapping[str, Any]) -> None:
         if path not in self._writers:
             with self._opening:
                 self._writers[path] = self._stack.enter_context(JsonlWriter(path))
-        self._writers[path].write(record)
+        self._writers[path].write(dict(record))
 
 
-class _RankRecorder:
-    """The trainer's gradient and update sinks: every logical rank's loss, grad norm and replicated
-    parameter hash, and logical rank 0's gradient and parameter digests (see harness.digests).
+class FileRecorder:
+    """The :class:`~harness.subject.protocol.Recorder` of a rank: every record family to its file.
+    Every logical rank's loss, grad norm and replicated parameter hash; logical rank 0's gradient and
+    parameter digests (see harness.digests); token-exchange and PEC events; an oracle's lines."""
 
-    Steps are numbered as :func:`updates` numbers them: a versioned trainer counts its updates from 0.
-    """
-
-    def __init__(self, files: ArmFiles, writers: _ArmWriters, steps: int, versioned: bool) -> None:
+    def __init__(self, files: ArmFiles, writers: _ArmWriters, steps: int) -> None:
         self._files, self._writers, self._steps = files, writers, steps
-        self._offset = 1 if versioned else 0
         self._grad_digests: dict[int, dict[str, list]] = {}  # logical rank 0's, until its update
 
-    def grads(self, logical_rank: int, step: int, grads: dict[str, torch.Tensor]) -> None:
+    def gradients(self, logical_rank: int, step: int, grads: Mapping[str, torch.Tensor]) -> None:
         if logical_rank == 0:
-            self._grad_digests[step + self._offset] = digest_all(grads)
+            self._grad_digests[step] = digest_all(dict(grads))
 
-    def update(self, logical_rank: int, step: int, update: RankUpdate) -> None:
-        step += self._offset
+    def rank_update(self, logical_rank: int, step: int, update: RankUpdate) -> None:
         record: dict[str, Any] = {"step": step, "loss": update.loss, "grad_norm": update.grad_norm}
         if step % HASH_EVERY == 0 or step == self._steps:
             record["replicated_hash"] = parameters_hash(update.replicated.values())
         self._writers.write(self._files.ranks(logical_rank), record)
         if logical_rank == 0:
-            params = digest_all({**update.replicated, **update.experts})
+            params = digest_all({**update.replicated, **update.sharded})
             grads = self._grad_digests.pop(step, {})
             self._writers.write(self._files.digests, {"step": step, "grads": grads, "params": params})
 
+    def exchange_event(self, logical_rank: int, event: Mapping[str, Any]) -> None:
+        self._writers.write(self._files.events(logical_rank), event)
 
-def make_trainer(
-    config: TrainConfig,
-    oracle: str | None = None,
-    event_sink: EventSink | None = None,
-    grad_sink: GradSink | None = None,
-    update_sink: UpdateSink | None = None,
-    fidelity_sink: Callable[[dict], None] | None = None,
-    pec_sink: PECSink | None = None,
-    steps: int = 1,
-    trace_cache: GraphCache | None = None,
-) -> Trainer | VersionedTrainer | HFLockstep:
-    """The arm's trainer; transformers is imported only by an arm that trains against it. A PEC
-    trainer must know its last batch (``steps``): that is where it drains. Only the plain trainer
-    traces (the others run eager chunking), so only it takes the ``trace_cache``."""
-    sinks = {"event_sink": event_sink, "grad_sink": grad_sink, "update_sink": update_sink}
-    if oracle == "hf":
-        from harness.oracles.hf import HFLockstep
+    def pec_event(self, logical_rank: int, event: Mapping[str, Any]) -> None:
+        self._writers.write(self._files.pec(logical_rank), event)
 
-        return HFLockstep(config, **sinks, fidelity_sink=fidelity_sink)
-    if isinstance(config, PipelineConfig):
-        return PIPELINE_TRAINERS[config.trainer](config, **sinks)
-    if isinstance(config, PECConfig):
-        return PECTrainer(config, **sinks, pec_sink=pec_sink, batches=steps)
-    return Trainer(config, **sinks, trace_cache=trace_cache)
+    def fidelity(self, record: Mapping[str, Any]) -> None:
+        self._writers.write(self._files.fidelity, record)
+
+
+def _seeded(spec: ArmSpec) -> None:
+    """Every arm starts from the same RNG state, whatever ran before it in this process."""
+    random.seed(spec.seed)
+    torch.manual_seed(spec.seed)
 
 
 def run_arm(
     run_dir: Path,
-    arm: str,
-    spec: dict[str, Any],
+    subject: Subject,
+    spec: ArmSpec,
     steps: int,
     debug: dict[str, Any],
+    device: str,
     phases: PhaseLog,
-    trace_cache: GraphCache | None = None,
+    cache_dir: Path | None = None,
 ) -> None:
-    """Builds the arm's trainer from a fresh seed and runs its steps, streaming records; its build,
-    steps and finish are three phases."""
-    train = spec["train"]
+    """Builds the arm from a fresh seed and runs its steps, streaming records; its build, steps and
+    finish are three phases."""
     rank = dist.get_rank()
-    files = arm_files(run_dir, arm)
-    config = train_config(train)
-    random.seed(config.seed)
-    torch.manual_seed(config.seed)
+    files = arm_files(run_dir, spec.name)
+    _seeded(spec)
     with contextlib.ExitStack() as stack:
         writers = _ArmWriters(stack)
-        recorder = _RankRecorder(files, writers, steps, isinstance(config, PipelineConfig))
+        recorder = FileRecorder(files, writers, steps)
         metrics = stack.enter_context(JsonlWriter(files.metrics)) if rank == 0 else None
-        fidelity = stack.enter_context(JsonlWriter(files.fidelity)) if rank == 0 and spec["oracle"] else None
-        with phases.phase("build", arm=arm) as build:
-            trainer = make_trainer(
-                config,
-                spec["oracle"],
-                event_sink=lambda logical_rank, event: writers.write(files.events(logical_rank), event),
-                grad_sink=recorder.grads,
-                update_sink=recorder.update,
-                fidelity_sink=fidelity.write if fidelity else None,
-                pec_sink=lambda logical_rank, event: writers.write(files.pec(logical_rank), event),
-                steps=steps,
-                trace_cache=trace_cache,
-            )
-            stack.callback(trainer.close)
-            if trainer.graph_build is not None:
-                build["graph"] = trainer.graph_build
+        with phases.phase("build", arm=spec.name) as build:
+            arm = subject.build(ArmContext(spec, device, steps, recorder, cache_dir))
+            stack.callback(arm.close)
+            if arm.graph_build() is not None:
+                build["graph"] = arm.graph_build()
         if rank == 0:
-            write_json_atomic(
-                files.arm,
-                {
-                    "moe_layers": list(trainer.moe_layers),
-                    "train": train,
-                    "cpu_capability": torch.backends.cpu.get_cpu_capability().lower(),
-                },
-            )
-            if trainer.graph_export is not None:
-                write_json_atomic(files.graph, trainer.graph_export)
+            isa = torch.backends.cpu.get_cpu_capability().lower()
+            write_json_atomic(files.arm, {"train": spec.train, "cpu_capability": isa, "info": arm.info()})
+            if arm.graph_export() is not None:
+                write_json_atomic(files.graph, arm.graph_export())
         updates_done = 0
-        with phases.phase("steps", arm=arm) as detail:
-            for result in updates(trainer, steps, lambda step: _inject_fault(debug, arm, step, rank)):
+        with phases.phase("steps", arm=spec.name) as detail:
+            for record in updates(arm, steps, lambda step: _inject_fault(debug, spec.name, step, rank)):
                 updates_done += 1
                 detail["steps"] = updates_done
                 if metrics is not None:
-                    metrics.write(result)
+                    metrics.write(record.to_json())
                 print(
-                    f"[arm {arm}] step {result['step']}/{steps} loss={result['loss']!r} "
-                    f"grad_norm={result['grad_norm']!r}",
+                    f"[arm {spec.name}] step {record.step}/{steps} loss={record.loss!r} grad_norm={record.grad_norm!r}",
                     flush=True,
                 )
-        with phases.phase("finish", arm=arm):
-            if isinstance(trainer, Trainer):  # the reference's own trainers: their replicas hold the weights
-                for logical_rank, replica in trainer.replicas.items():
-                    digest = final_weights(replica.model, updates_done)
-                    write_json_atomic(files.weights(logical_rank), digest)
+        with phases.phase("finish", arm=spec.name):
+            for logical_rank, parameters in arm.final_weights().items():
+                write_json_atomic(files.weights(logical_rank), final_weights(parameters, updates_done))
 
 
 def _peak_memory_reset(device: str) -> None:
@@ -362,60 +297,64 @@ def _peak_memory_bytes(device: str) -> int:
     return 0
 
 
-class _TimedTrainer:
+class _TimedArm:
     """One built copy of an arm in a throughput run: it keeps training its own model, step after
-    step, across every block it is timed in. ``slow_fraction`` plants a slowdown (DebugSpec)."""
+    step, across every block it is timed in, recording nothing. ``slow_fraction`` plants a
+    slowdown (DebugSpec)."""
 
     def __init__(
-        self, train: dict[str, Any], total_steps: int, slow_fraction: float, trace_cache: GraphCache | None
+        self, subject: Subject, spec: ArmSpec, device: str, total_steps: int, slow_fraction: float, cache: Path | None
     ) -> None:
-        config = train_config(train)
-        random.seed(config.seed)
-        torch.manual_seed(config.seed)
-        self.trainer = make_trainer(config, steps=total_steps, trace_cache=trace_cache)
-        self.tokens_per_step = config.ep * config.local_batch * config.seq_len
+        _seeded(spec)
+        self.arm = subject.build(ArmContext(spec, device, total_steps, None, cache))
         self.slow_fraction = slow_fraction
         self.next_step = 1
 
-    def run(self, steps: int) -> None:
+    def run(self, steps: int) -> int:
+        """Trains ``steps`` steps; returns the tokens of the updates they made."""
+        tokens = 0
         for _ in range(steps):
             start = time.perf_counter()
-            self.trainer.step(self.next_step)
+            record = self.arm.step(self.next_step)
+            tokens += record.tokens if record is not None else 0
             self.next_step += 1
             if self.slow_fraction:
                 time.sleep(self.slow_fraction * (time.perf_counter() - start))
+        return tokens
 
 
-def _timed(trainer: _TimedTrainer, steps: int, device: str) -> tuple[float, int]:
-    """(seconds, peak bytes) of ``steps`` steps on this rank, between barriers: the block starts
-    when every rank is ready, and its time includes the wait for the slowest."""
+def _timed(copy: _TimedArm, steps: int, device: str) -> tuple[float, int, int]:
+    """(seconds, peak bytes, tokens) of ``steps`` steps on this rank, between barriers: the block
+    starts when every rank is ready, and its time includes the wait for the slowest."""
     _peak_memory_reset(device)
     dist.barrier()
     if device == "cuda":
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
-        trainer.run(steps)
+        tokens = copy.run(steps)
         dist.barrier()
         end.record()
         end.synchronize()
-        return start.elapsed_time(end) / 1000, _peak_memory_bytes(device)
+        return start.elapsed_time(end) / 1000, _peak_memory_bytes(device), tokens
     began = time.perf_counter()
-    trainer.run(steps)
+    tokens = copy.run(steps)
     dist.barrier()
-    return time.perf_counter() - began, _peak_memory_bytes(device)
+    return time.perf_counter() - began, _peak_memory_bytes(device), tokens
 
 
 def measure_throughput(
     run_dir: Path,
+    subject: Subject,
     suite: dict[str, Any],
     measurements: list[dict],
     device: str,
     phases: PhaseLog,
-    trace_cache: GraphCache | None = None,
+    cache_dir: Path | None = None,
 ) -> None:
     """Times the group's block positions in order (harness/throughput.py plans them): builds each
-    copy of an arm once and warms it up, then records per position the slowest rank's seconds and
-    the largest peak memory of any rank to ``throughput.jsonl`` (process rank 0)."""
+        copy of an arm once and warms it up, then records per position the slowest rank's seconds and
+        the largest peak memory of any rank to ``throughput.jsonl`` (process rank 0). Tokens per second
+    count the tokens of the updates the block made (a filling pipeline makes fewer)."""
     spec, debug = suite["throughput"], suite["debug"]
     positions = collections.Counter(m["copy"] for m in measurements)
     arms = {m["copy"]: m["arm"] for m in measurements}
@@ -426,17 +365,18 @@ def measure_throughput(
             slow = debug["slow_fraction"] if debug["slow_arm"] == arm else 0.0
             steps = spec["warmup"] + count * spec["steps"]
             with phases.phase("build", arm=copy):
-                copies[copy] = _TimedTrainer(suite["arms"][arm]["train"], steps, slow, trace_cache)
-            stack.callback(copies[copy].trainer.close)
+                spec_of_arm = ArmSpec.from_dict(suite["arms"][arm])
+                copies[copy] = _TimedArm(subject, spec_of_arm, device, steps, slow, cache_dir)
+            stack.callback(copies[copy].arm.close)
         with phases.phase("warmup"):
             for copy in copies.values():
                 copy.run(spec["warmup"])
         writer = stack.enter_context(JsonlWriter(run_dir / THROUGHPUT)) if dist.get_rank() == 0 else None
         with phases.phase("blocks"):
             for m in measurements:
-                trainer = copies[m["copy"]]
-                first_step = trainer.next_step
-                seconds, peak = _timed(trainer, spec["steps"], device)
+                timed = copies[m["copy"]]
+                first_step = timed.next_step
+                seconds, peak, tokens = _timed(timed, spec["steps"], device)
                 worst = torch.tensor([seconds, float(peak)], dtype=torch.float64, device=device)
                 dist.all_reduce(worst, op=dist.ReduceOp.MAX)
                 seconds, peak = worst.tolist()
@@ -449,7 +389,7 @@ def measure_throughput(
                             "first_step": first_step,
                             "seconds": seconds,
                             "step_time_s": seconds / spec["steps"],
-                            "tokens_per_s": trainer.tokens_per_step * spec["steps"] / seconds,
+                            "tokens_per_s": tokens / seconds,
                             "peak_memory_bytes": int(peak),
                             "timing": "cuda-events" if device == "cuda" else "wall",
                         }
@@ -458,6 +398,12 @@ def measure_throughput(
 
 @functools.partial(record, error_handler=ErrorFileInRoom())
 def main(argv: list[str]) -> None:
+    run_dir, group_name = Path(argv[0]), argv[1]
+    manifest = json.loads((run_dir / MANIFEST).read_text())
+    suite = manifest["suite"]
+    # The subject's modules are imports too: loaded before any process group exists (see
+    # the reference's train.py on torch.distributed.nn.functional).
+    subject = load_subject(suite["subject"], Path(suite["path"]).resolve().parent)
     entered = time.time()  # the imports (phases.py) end here
     # The imports made a few hundred thousand objects that live as long as the rank; frozen, they
     # are no longer walked by every full collection while the arms trace and train.
@@ -466,22 +412,21 @@ def main(argv: list[str]) -> None:
     sys.stdout.reconfigure(line_buffering=True)
     _die_with_parent()
     faulthandler.register(signal.SIGUSR1, all_threads=True)  # the watchdog's stack dump
-    run_dir, group_name = Path(argv[0]), argv[1]
-    manifest = json.loads((run_dir / MANIFEST).read_text())
     group = next(g for g in manifest["launches"] if g["name"] == group_name)
-    suite = manifest["suite"]
-    trace_cache = GraphCache(Path(manifest["trace_cache"])) if manifest["trace_cache"] else None
+    cache_dir = Path(manifest["trace_cache"]) if manifest["trace_cache"] else None
+    device = manifest["device"]
     with JsonlWriter(phases_file(run_dir, group_name, int(os.environ["RANK"]))) as phase_file:
         phases = PhaseLog(phase_file.write)
         phases.add("imports", harness.IMPORTED_AT, entered)
         with phases.phase("rendezvous"):
-            _init_process_group(manifest["device"], manifest["backend"])
+            _init_process_group(device, manifest["backend"])
         print(f"rank {dist.get_rank()}/{dist.get_world_size()} of group {group_name}: pid {os.getpid()}", flush=True)
         if group["measurements"]:
-            measure_throughput(run_dir, suite, group["measurements"], manifest["device"], phases, trace_cache)
+            measure_throughput(run_dir, subject, suite, group["measurements"], device, phases, cache_dir)
         else:
             for arm in group["arms"]:
-                run_arm(run_dir, arm, suite["arms"][arm], suite["steps"], suite["debug"], phases, trace_cache)
+                spec = ArmSpec.from_dict(suite["arms"][arm])
+                run_arm(run_dir, subject, spec, suite["steps"], suite["debug"], device, phases, cache_dir)
         with phases.phase("shutdown"):
             dist.destroy_process_group()
     # Every record is closed and the group is gone. A normal interpreter exit would now spend most

@@ -19,6 +19,7 @@ from harness.checks.registry import CheckFamily, Problem, SuiteReader, arm_list,
 from harness.compare import CheckResult
 from harness.records import ArmRecords
 from harness.specs import ArmSpec, CheckSpec, SuiteSpec
+from harness.subject.protocol import TOKEN_EXCHANGE, VERSIONED
 
 KIND = "token-exchange-invariants"
 PAIRING = "token-exchange:launch-wait-pairing"
@@ -134,7 +135,7 @@ def training_plan(steps: int | Iterable[int], recompute: bool = False) -> Plan:
 
 
 def pipeline_plan(batches: int, delay: int, *, replay: bool, always_correct: bool) -> Plan:
-    """The delayed pipeline of ``harness.reference.pipeline``; its events' step is the tick.
+    """The delayed pipeline of the reference (its ``pipeline.py``); its events' step is the tick.
 
     Tick t forwards batch t while t < batches and, from tick ``delay`` on, backwards the forward of
     tick t - delay (replay re-runs that forward first, as "recompute"). The ``always`` correction
@@ -155,7 +156,7 @@ def pipeline_plan(batches: int, delay: int, *, replay: bool, always_correct: boo
 
 
 def delayed_oracle_plan(batches: int, delay: int, *, always_correct: bool) -> Plan:
-    """The delayed oracle of ``harness.reference.delayed_oracle``; its events' step is the tick.
+    """The delayed oracle of the reference (its ``delayed_oracle.py``); its events' step is the tick.
 
     Nothing runs while the pipeline fills. Tick ``t >= delay`` applies batch ``t - delay``: one
     forward at the old weights and its backward, after one more forward at the current weights
@@ -337,9 +338,9 @@ def arm_exchanges(arm: str, spec: ArmSpec, records: ArmRecords) -> list[CheckRes
     train = spec.train
     chunks = train["chunks"] if train["chunking"] != "none" else 1
     steps = records.metrics.index.tolist()
-    if spec.versioned and train["trainer"] == "delayed-oracle":
+    if spec.emits(VERSIONED) and train["trainer"] == "delayed-oracle":
         plan = delayed_oracle_plan(len(steps), train["delay"], always_correct=train["correction"] == "always")
-    elif spec.versioned:
+    elif spec.emits(VERSIONED):
         replay, always = train["retention"] == "replay", train["correction"] == "always"
         plan = pipeline_plan(len(steps), train["delay"], replay=replay, always_correct=always)
     else:
@@ -364,4 +365,4 @@ def run(check: CheckSpec, suite: SuiteSpec, records: dict[str, ArmRecords]) -> l
     return [same_events(check.name, records[a], records[b], a, b)]
 
 
-register(CheckFamily((KIND, SAME_SEQUENCE), parse, run))
+register(CheckFamily((KIND, SAME_SEQUENCE), parse, run, reads=(TOKEN_EXCHANGE,)))

@@ -29,6 +29,7 @@ from harness.checks.registry import CheckFamily, SuiteReader, register
 from harness.compare import CheckResult
 from harness.records import ArmRecords
 from harness.specs import ArmSpec, CheckSpec, SuiteSpec
+from harness.subject.protocol import FIDELITY
 
 KIND = "fidelity"
 DEFAULT_TIERS = {"max_rel_err": 1e-5, "weight_max_rel_err": 1e-3}
@@ -167,4 +168,4 @@ def _failure(name: str, step: int, over: list[tuple[float, str, float]], line: d
     )
 
 
-register(CheckFamily(kinds=(KIND,), parse=parse, run=run))
+register(CheckFamily(kinds=(KIND,), parse=parse, run=run, reads=(FIDELITY,)))

@@ -1,7 +1,7 @@
 """Static checks of a traced arm's scheduled graph, judged from the ``graph.json`` the arm exported.
 
 A traced arm (chunking ``eager-traced`` or ``graph``) writes its token-exchange launch and wait
-nodes as plain data (see ``harness.reference.chunking.checks.export_exchange_graph``): per node its
+nodes as plain data (the reference's ``export_exchange_graph`` writes it): per node its
 position in the scheduled graph, op, role, receive pool, ``buffer_set`` argument, chunk, region
 (chunk root) and phase, and who reads it. The reference checks its graph too, but a buggy system
 under test could certify itself; these checks read only the exported facts, and derive what the
@@ -32,16 +32,14 @@ from typing import Any
 from harness.checks.registry import CheckFamily, SuiteReader, problems_result, qualifying_arms, register
 from harness.compare import CheckResult
 from harness.records import ArmRecords
-from harness.reference.train import TRACED
 from harness.specs import ArmSpec, CheckSpec, SuiteSpec
+from harness.subject.protocol import GRAPH
 
 KIND = "graph-invariants"
 COUNTS = "graph:exchange-counts"
 PAIRS = "graph:launch-wait-pairs"
 BUFFER_SETS = "graph:buffer-sets"
 CHUNK_ORDER = "graph:chunk-order"
-# The chunk roots the reference's chunk_roots names, by MoE layer (Hugging Face module names).
-ROOT_NAMES = {"moe": "model.layers.{layer}.mlp", "block": "model.layers.{layer}"}
 # What one MoE layer exchanges per chunk and direction: backward reverses each forward exchange.
 EXPECTED_PER_ROOT = {
     "fwd": {"dispatch": 1, "wait_dispatch": 1, "combine": 1, "wait_combine": 1},
@@ -121,12 +119,12 @@ def _node(raw: Any, index: int) -> GraphNode:
     )
 
 
-def expected_regions(chunk_roots: str, moe_layers: list[int] | None) -> set[str] | None:
-    """The regions (``GraphNode.region_phase``) a traced arm's config implies: each MoE layer's chunk
-    root, forward and backward; None when the arm recorded no MoE layers."""
-    if not moe_layers:
+def expected_regions(chunk_roots: list[str] | None) -> set[str] | None:
+    """The regions (``GraphNode.region_phase``) a traced arm implies: each MoE layer's chunk root (the
+    module names its ``arm.json`` records), forward and backward; None when it recorded none."""
+    if not chunk_roots:
         return None
-    return {f"{ROOT_NAMES[chunk_roots].format(layer=layer)} {phase}" for layer in moe_layers for phase in PHASES}
+    return {f"{root} {phase}" for root in chunk_roots for phase in PHASES}
 
 
 def region_problems(judged: Iterable[str], expected: set[str] | None) -> list[str]:
@@ -260,13 +258,13 @@ def graph_results(arm: str, spec: ArmSpec, records: ArmRecords) -> list[CheckRes
     if isinstance(nodes, CheckResult):
         return [nodes]
     train = spec.train
-    if records.moe_layers:
-        roots = [ROOT_NAMES[train["chunk_roots"]].format(layer=layer) for layer in records.moe_layers]
+    roots = records.info.get("chunk_roots")
+    if roots:
         counts = check_exchange_counts(nodes, roots=roots, chunks=train["chunks"])
     else:
-        what = "records no MoE layers" if records.moe_layers == [] else "has no arm.json with its MoE layers"
+        what = "records no chunk roots" if roots == [] else "has no arm.json with its chunk roots"
         counts = CheckResult(COUNTS, KIND, "fail", f"arm '{arm}' {what}: no exchange counts to expect")
-    regions = expected_regions(train["chunk_roots"], records.moe_layers)
+    regions = expected_regions(roots)
     results = [
         counts,
         check_launch_wait_pairs(nodes),
@@ -277,15 +275,13 @@ def graph_results(arm: str, spec: ArmSpec, records: ArmRecords) -> list[CheckRes
 
 
 def _no_graph(spec: ArmSpec) -> str | None:
-    if spec.train["chunking"] not in TRACED:
-        return f"has no graph (chunking must be one of {', '.join(TRACED)})"
-    return None
+    return None if spec.emits(GRAPH) else "exports no graph (only a traced arm does: chunking eager-traced or graph)"
 
 
 def parse(kind: str, raw: dict, dotted: str, v: SuiteReader, arms: dict[str, ArmSpec]) -> CheckSpec:
     v.table(raw, dotted, ("kind", "name", "arms"))
     name = v.check_name(raw["name"], f"{dotted}.name") if "name" in raw else kind
-    wanted = f"a traced arm (chunking one of {', '.join(TRACED)})"
+    wanted = "a traced arm (one that exports its graph: chunking eager-traced or graph)"
     return CheckSpec(kind, name, qualifying_arms(v, raw, dotted, arms, _no_graph, wanted))
 
 
@@ -293,4 +289,4 @@ def run(check: CheckSpec, suite: SuiteSpec, records: dict[str, ArmRecords]) -> l
     return [result for arm in check.arms for result in graph_results(arm, suite.arms[arm], records[arm])]
 
 
-register(CheckFamily((KIND,), parse, run))
+register(CheckFamily((KIND,), parse, run, reads=(GRAPH,)))

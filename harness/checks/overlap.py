@@ -33,8 +33,8 @@ from harness.checks.graph import GraphNode, expected_regions, graph_nodes, regio
 from harness.checks.registry import CheckFamily, SuiteReader, problems_result, qualifying_arms, register
 from harness.compare import CheckResult
 from harness.records import ArmRecords
-from harness.reference.train import TRACED
 from harness.specs import ArmSpec, CheckSpec, SuiteSpec
+from harness.subject.protocol import GRAPH, TOKEN_EXCHANGE
 
 KIND = "overlap"
 # The phases an eager arm's scheduler orders; its backward is autograd's.
@@ -106,12 +106,12 @@ def overlap_result(name: str, regions: dict[str, Sequence], scope: str, wrong_re
 
 def arm_overlap(name: str, arm: str, spec: ArmSpec, records: ArmRecords) -> CheckResult:
     """One arm's overlap: from its graph when traced, else from every logical rank's events."""
-    if spec.train["chunking"] in TRACED:
+    if spec.emits(GRAPH):
         nodes = graph_nodes(name, KIND, arm, records)
         if isinstance(nodes, CheckResult):
             return nodes
         regions = graph_regions(nodes)
-        expected = expected_regions(spec.train["chunk_roots"], records.moe_layers)
+        expected = expected_regions(records.info.get("chunk_roots"))
         return overlap_result(name, regions, "graph regions", region_problems(regions, expected))
     empty = [rank for rank, events in sorted(records.events.items()) if not events]
     if not records.events or empty:
@@ -147,4 +147,4 @@ def run(check: CheckSpec, suite: SuiteSpec, records: dict[str, ArmRecords]) -> l
     return [arm_overlap(f"{arm}: {check.name}", arm, suite.arms[arm], records[arm]) for arm in check.arms]
 
 
-register(CheckFamily((KIND,), parse, run))
+register(CheckFamily((KIND,), parse, run, reads=(TOKEN_EXCHANGE,)))

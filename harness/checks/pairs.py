@@ -2,7 +2,8 @@
 
 ``exact``, ``ulp``, ``close`` and ``band`` compare the listed metrics of two arms step by step at
 the tier the table gives (see :mod:`harness.compare`). ``determinism`` runs the same arm twice
-and demands bitwise equal metrics and identical token-exchange events.
+and demands bitwise equal metrics and, from an arm that records them, identical token-exchange
+events.
 
 When a bit-level comparison (``exact``, ``ulp``, ``determinism``) fails, the failure is localised
 from the arms' gradient and parameter digests: the first step and the first parameter, in
@@ -20,6 +21,7 @@ from harness.compare import CheckResult, Exact, Ulp, compare_arms, tier_from_spe
 from harness.digests import first_divergence
 from harness.records import ArmRecords
 from harness.specs import ArmSpec, CheckSpec, SuiteSpec
+from harness.subject.protocol import METRICS, TOKEN_EXCHANGE
 
 PAIR_KINDS = ("exact", "ulp", "close", "band")
 DETERMINISM = "determinism"
@@ -52,7 +54,7 @@ def run(check: CheckSpec, suite: SuiteSpec, records: dict[str, ArmRecords]) -> l
     ]
     if isinstance(tier, (Exact, Ulp)) and any(r.status == "fail" for r in results):
         results = _localised(results, first_divergence(records[a].digests, records[b].digests, a, b))
-    if check.kind == DETERMINISM:
+    if check.kind == DETERMINISM and suite.arms[a].emits(TOKEN_EXCHANGE):
         events = same_events(f"{check.name}: events", records[a], records[b], a, b)
         results.append(dataclasses.replace(events, kind=check.kind))
     return results
@@ -70,4 +72,4 @@ def _localised(results: list[CheckResult], where: dict) -> list[CheckResult]:
     ]
 
 
-register(CheckFamily((*PAIR_KINDS, DETERMINISM), parse, run))
+register(CheckFamily((*PAIR_KINDS, DETERMINISM), parse, run, reads=(METRICS,)))

@@ -56,7 +56,8 @@ from collections.abc import Callable
 from harness.checks.registry import CheckFamily, Problem, SuiteReader, problems_result, qualifying_arms, register
 from harness.compare import CheckResult
 from harness.records import ArmRecords
-from harness.specs import PEC_FIELDS, ArmSpec, CheckSpec, SuiteSpec, is_pec
+from harness.specs import ArmSpec, CheckSpec, SuiteSpec
+from harness.subject.protocol import PEC
 
 KIND = "pec-invariants"
 NO_AUTOGRAD = "pec:no-autograd-start"
@@ -408,7 +409,7 @@ def check_pec(events: RankEvents, trainer: str, batches: int) -> list[CheckResul
 
 def _pec_trainer(spec: ArmSpec) -> str | None:
     """The trainer driving the arm's PEC table, or None for an arm without one."""
-    return spec.train["pec"] if is_pec(spec.train) else None
+    return spec.train["pec"] if spec.emits(PEC) else None
 
 
 def parse(kind: str, raw: dict, dotted: str, v: SuiteReader, arms: dict[str, ArmSpec]) -> CheckSpec:
@@ -416,7 +417,7 @@ def parse(kind: str, raw: dict, dotted: str, v: SuiteReader, arms: dict[str, Arm
     name = v.check_name(raw["name"], f"{dotted}.name") if "name" in raw else KIND
 
     def problem(spec: ArmSpec) -> str | None:
-        return None if _pec_trainer(spec) else f"has no PEC table (it sets none of {', '.join(PEC_FIELDS)})"
+        return None if _pec_trainer(spec) else "has no PEC table (it records no PEC events: it sets no pec field)"
 
     return CheckSpec(kind, name, qualifying_arms(v, raw, dotted, arms, problem, "an arm with a PEC table"))
 
@@ -431,4 +432,4 @@ def run(check: CheckSpec, suite: SuiteSpec, records: dict[str, ArmRecords]) -> l
     return results
 
 
-register(CheckFamily((KIND,), parse, run))
+register(CheckFamily((KIND,), parse, run, reads=(PEC,)))

@@ -18,6 +18,7 @@ from harness.checks.registry import CheckFamily, SuiteReader, arm_list, register
 from harness.compare import CheckResult, format_steps
 from harness.records import ArmRecords
 from harness.specs import ArmSpec, CheckSpec, SuiteSpec
+from harness.subject.protocol import RANK_UPDATES
 
 KIND = "ranks-agree"
 FIELDS = ("loss", "grad_norm", "replicated_hash")
@@ -92,4 +93,4 @@ def run(check: CheckSpec, suite: SuiteSpec, records: dict[str, ArmRecords]) -> l
     return [check_ranks_agree(f"{arm}: {check.name}", records[arm].ranks) for arm in check.arms]
 
 
-register(CheckFamily((KIND,), parse, run))
+register(CheckFamily((KIND,), parse, run, reads=(RANK_UPDATES,)))

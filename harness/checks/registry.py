@@ -13,13 +13,14 @@ every check reading it an error.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any, Protocol
 
 from harness.compare import CheckResult
 from harness.records import ArmRecords
 from harness.specs import ArmSpec, CheckSpec, SuiteSpec
+from harness.subject.protocol import METRICS
 
 
 class SuiteReader(Protocol):
@@ -36,6 +37,11 @@ class SuiteReader(Protocol):
     def metric_list(self, raw: dict, dotted: str, default: tuple[str, ...]) -> tuple[str, ...]: ...
     def tier(self, raw: dict, dotted: str) -> dict[str, Any]: ...
     def check_name(self, value: Any, dotted: str) -> str: ...
+    def name(self, value: Any, dotted: str) -> str: ...
+    def overridden(self, dotted: str) -> bool: ...
+    def for_file(self, shown: str) -> SuiteReader: ...
+
+    max_ranks: int
 
 
 # (kind, the [[checks]] table, its dotted path such as "checks.3", the validator, the suite's arms)
@@ -45,11 +51,17 @@ Run = Callable[[CheckSpec, SuiteSpec, dict[str, ArmRecords]], list[CheckResult]]
 
 @dataclass(frozen=True)
 class CheckFamily:
-    """The kinds one module owns, how their tables parse, and how their checks judge records."""
+    """The kinds one module owns, how their tables parse, how their checks judge records, and the
+    record families (harness/subject/protocol.py) they read: one tuple for every kind, or a tuple
+    per kind. A suite whose subject or arm cannot emit what a check reads is refused at load."""
 
     kinds: tuple[str, ...]
     parse: Parse
     run: Run
+    reads: tuple[str, ...] | Mapping[str, tuple[str, ...]] = (METRICS,)
+
+    def reads_of(self, kind: str) -> tuple[str, ...]:
+        return self.reads[kind] if isinstance(self.reads, Mapping) else self.reads
 
 
 FAMILIES: dict[str, CheckFamily] = {}

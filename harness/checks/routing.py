@@ -16,8 +16,8 @@ from collections import Counter
 from harness.checks.registry import CheckFamily, SuiteReader, arm_list, problems_result, register
 from harness.compare import CheckResult
 from harness.records import ArmRecords
-from harness.reference.model import get_config
 from harness.specs import ArmSpec, CheckSpec, SuiteSpec
+from harness.subject.protocol import TOKEN_EXCHANGE
 
 KIND = "routing-counts"
 
@@ -91,13 +91,14 @@ def check_routing_counts(name: str, events: dict[int, list[dict]], expected: int
     return problems_result(name, KIND, problems, passed)
 
 
-def balanced_count(train: dict) -> int | None:
+def balanced_count(train: dict, experts_per_token: int | None) -> int | None:
     """Rows each logical rank sends each other per exchange under forced-balanced routing (every
-    expert gets tokens x top-k / experts of a chunk), or None when routing is learned."""
-    if train["routing"] != "forced-balanced":
+    expert gets tokens x top-k / experts of a chunk; the top-k as the arm's ``arm.json`` records
+    it), or None when routing is learned."""
+    if train["routing"] != "forced-balanced" or experts_per_token is None:  # learned, or no arm.json
         return None
     chunks = train["chunks"] if train["chunking"] != "none" else 1
-    rows = train["local_batch"] * train["seq_len"] // chunks * get_config(train["model"]).num_experts_per_tok
+    rows = train["local_batch"] * train["seq_len"] // chunks * experts_per_token
     return rows // train["ep"]
 
 
@@ -107,11 +108,15 @@ def parse(kind: str, raw: dict, dotted: str, v: SuiteReader, arms: dict[str, Arm
     return CheckSpec(kind, name, arm_list(v, raw, dotted, arms))
 
 
+def arm_routing(name: str, train: dict, records: ArmRecords) -> CheckResult:
+    top_k = records.info.get("experts_per_token")
+    if train["routing"] == "forced-balanced" and not isinstance(top_k, int):
+        return CheckResult(name, KIND, "fail", "arm.json records no experts_per_token: no balanced count to expect")
+    return check_routing_counts(name, records.events, balanced_count(train, top_k))
+
+
 def run(check: CheckSpec, suite: SuiteSpec, records: dict[str, ArmRecords]) -> list[CheckResult]:
-    return [
-        check_routing_counts(f"{arm}: {check.name}", records[arm].events, balanced_count(suite.arms[arm].train))
-        for arm in check.arms
-    ]
+    return [arm_routing(f"{arm}: {check.name}", suite.arms[arm].train, records[arm]) for arm in check.arms]
 
 
-register(CheckFamily((KIND,), parse, run))
+register(CheckFamily((KIND,), parse, run, reads=(TOKEN_EXCHANGE,)))

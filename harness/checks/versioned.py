@@ -20,7 +20,8 @@ from collections.abc import Iterable
 from harness.checks.registry import CheckFamily, Problem, SuiteReader, problems_result, qualifying_arms, register
 from harness.compare import CheckResult, format_steps
 from harness.records import ArmRecords
-from harness.specs import PIPELINE_FIELDS, ArmSpec, CheckSpec, SuiteSpec
+from harness.specs import ArmSpec, CheckSpec, SuiteSpec
+from harness.subject.protocol import VERSIONED
 
 EXACTLY_ONCE = "exactly-once"
 STALENESS_AGES = "staleness-ages"
@@ -199,16 +200,15 @@ def _versioned_arms(
 ) -> tuple[str, ...]:
     """The arms a version-protocol check reads: those listed, or every versioned arm (with a
     correction, when ``corrected``: statistics of a correction that is off check nothing)."""
-    fields = ", ".join(PIPELINE_FIELDS)
 
     def problem(spec: ArmSpec) -> str | None:
-        if not spec.versioned:
-            return f"is not versioned (it sets none of {fields})"
+        if not spec.emits(VERSIONED):
+            return "is not versioned (it records no versioned updates: it sets no pipeline field)"
         if corrected and spec.train["correction"] == "off":
             return 'has correction = "off": no statistics to check'
         return None
 
-    wanted = "a versioned arm with a correction" if corrected else f"a versioned arm (one that sets {fields})"
+    wanted = "a versioned arm with a correction" if corrected else "a versioned arm (one that sets a pipeline field)"
     return qualifying_arms(v, raw, dotted, arms, problem, wanted)
 
 
@@ -241,4 +241,4 @@ def run(check: CheckSpec, suite: SuiteSpec, records: dict[str, ArmRecords]) -> l
     return results
 
 
-register(CheckFamily((EXACTLY_ONCE, STALENESS_AGES, CORRECTION_STATS), parse, run))
+register(CheckFamily((EXACTLY_ONCE, STALENESS_AGES, CORRECTION_STATS), parse, run, reads=(VERSIONED,)))

@@ -14,6 +14,7 @@ from harness.checks.registry import CheckFamily, Problem, SuiteReader, problems_
 from harness.compare import CheckResult
 from harness.records import ArmRecords
 from harness.specs import ArmSpec, CheckSpec, SuiteSpec
+from harness.subject.protocol import FINAL_WEIGHTS
 
 KIND = "final-weights"
 _MAX_NAMED = 3  # differing parameters named per logical rank
@@ -22,10 +23,11 @@ _MAX_NAMED = 3  # differing parameters named per logical rank
 def parse(kind: str, raw: dict, dotted: str, v: SuiteReader, arms: dict[str, ArmSpec]) -> CheckSpec:
     v.table(raw, dotted, ("kind", "name", "arms"))
     a, b = v.arm_pair(raw, dotted, arms)
-    if arms[a].ep != arms[b].ep:
+    if arms[a].logical_ranks != arms[b].logical_ranks:
         raise v.error(
             f"{dotted}.arms",
-            f"final weights compare logical rank by logical rank; {a} has EP {arms[a].ep}, {b} EP {arms[b].ep}",
+            f"final weights compare logical rank by logical rank; {a} has {arms[a].logical_ranks} logical ranks,"
+            f" {b} {arms[b].logical_ranks}",
         )
     name = v.check_name(raw["name"], f"{dotted}.name") if "name" in raw else f"{a} vs {b}, final weights"
     return CheckSpec(kind, name, (a, b))
@@ -66,7 +68,7 @@ def _rank_problem(rank: int, arms: tuple[str, str], recorded: tuple[dict | None,
 
 def run(check: CheckSpec, suite: SuiteSpec, records: dict[str, ArmRecords]) -> list[CheckResult]:
     a, b = check.arms
-    ranks = range(suite.arms[a].ep)
+    ranks = range(suite.arms[a].logical_ranks)
     problems: list[Problem] = []
     for rank in ranks:
         recorded = (records[a].final_weights.get(rank), records[b].final_weights.get(rank))
@@ -82,4 +84,4 @@ def run(check: CheckSpec, suite: SuiteSpec, records: dict[str, ArmRecords]) -> l
     return [problems_result(check.name, KIND, problems, passed)]
 
 
-register(CheckFamily((KIND,), parse, run))
+register(CheckFamily((KIND,), parse, run, reads=(FINAL_WEIGHTS,)))

@@ -100,6 +100,8 @@ class LaunchContext:
     together (a Slurm job counts only its running time against ``timeout_s``, not its time in the
     queue); at the deadline the ranks dump their stacks, then die (deadline.py). ``env`` is
     exported to the ranks; ``tick`` (progress) is called every fraction of a second.
+    ``subject_source`` is the code of the system under test (``Subject.source``): a rank raising
+    through it is a regression, anywhere else infrastructure (triage.py).
     """
 
     run_dir: Path
@@ -107,6 +109,7 @@ class LaunchContext:
     timeout_s: float
     env: dict[str, str] = field(default_factory=dict)
     tick: Callable[[], None] = lambda: None
+    subject_source: tuple[Path, ...] = ()
 
 
 class GroupLauncher(Protocol):

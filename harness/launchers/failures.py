@@ -18,7 +18,7 @@ from pathlib import Path
 
 from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
 
-from harness.launchers import LaunchGroup, LaunchResult, RankFailure
+from harness.launchers import LaunchContext, LaunchGroup, LaunchResult, RankFailure
 from harness.launchers.deadline import StackDumps
 from harness.triage import INFRASTRUCTURE, Verdict, classify, exception_line
 from harness.worker import release_error_room
@@ -94,16 +94,18 @@ def release_error_rooms(run_dir: Path, group: LaunchGroup) -> None:
         release_error_room(run_dir / group.error_file(rank))
 
 
-def judge_failure(result: LaunchResult, timeout_s: float, dumps: StackDumps | None, oom_kills_during: int = 0) -> None:
+def judge_failure(
+    result: LaunchResult, context: LaunchContext, dumps: StackDumps | None, oom_kills_during: int = 0
+) -> None:
     """Sets the verdict, headline and error of a group that ran out of time (``dumps``: what its
     deadline left) or else whose ranks failed (``result.failures``): its root cause, judged by
     triage.py. A group with neither is left as it is."""
     root = result.root
     if dumps is not None:
         result.verdict = Verdict(INFRASTRUCTURE, "timeout")
-        result.headline, result.error = dumps.explain(result.group, timeout_s)
+        result.headline, result.error = dumps.explain(result.group, context.timeout_s)
     elif root is not None:
-        result.verdict = classify(root.exitcode, root.traceback, oom_kills_during)
+        result.verdict = classify(root.exitcode, root.traceback, oom_kills_during, context.subject_source)
         result.headline, result.error = _explain_root_cause(result, root)
 
 

@@ -259,7 +259,7 @@ def launch_group(group: LaunchGroup, context: LaunchContext) -> LaunchResult:
     oom_during = (oom_kills() or 0) - (oom_before or 0)
     described = describe_failures(run_dir, group, failures, exits.died_at)
     result = LaunchResult(group, time.monotonic() - start, watchdog.dumps is not None, failures=described)
-    judge_failure(result, context.timeout_s, watchdog.dumps, oom_during)
+    judge_failure(result, context, watchdog.dumps, oom_during)
     if result.verdict is None and launch_error:
         result.verdict = Verdict(INFRASTRUCTURE, "launch failure")
         result.headline = result.error = launch_error

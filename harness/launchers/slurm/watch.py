@@ -117,7 +117,7 @@ class JobWatch:
         if watched.running_since is not None:
             self.budget_s -= time.monotonic() - watched.running_since
         tick()
-        return self._result(run_dir, group, job, watched, time.monotonic() - start, context.timeout_s)
+        return self._result(run_dir, group, job, watched, time.monotonic() - start, context)
 
     def _watch(self, run_dir: Path, group: LaunchGroup, job: SlurmJob, tick: Callable[[], None]) -> _Watched:
         watched = _Watched()
@@ -157,7 +157,13 @@ class JobWatch:
             time.sleep(POLL_S)
 
     def _result(
-        self, run_dir: Path, group: LaunchGroup, job: SlurmJob, watched: _Watched, duration_s: float, timeout_s: float
+        self,
+        run_dir: Path,
+        group: LaunchGroup,
+        job: SlurmJob,
+        watched: _Watched,
+        duration_s: float,
+        context: LaunchContext,
     ) -> LaunchResult:
         """How the job ended, as a launch result: a lost job, a timeout, failed ranks, or none."""
         stderr_path = job.file(run_dir, "log.err")
@@ -172,7 +178,7 @@ class JobWatch:
             result.verdict = Verdict(INFRASTRUCTURE, f"Slurm job {state or 'lost'}")
             result.headline, result.error = _lost(group, job, state, missing, watched, result, stderr)
         else:
-            judge_failure(result, timeout_s, watched.dumps)
+            judge_failure(result, context, watched.dumps)
             if result.ok:
                 return result
         result.error += f"\n(Slurm job {job.job_id}; its files: {JOB_DIR}/{job.job_id}_*)"

@@ -1,0 +1,72 @@
+"""Finding the system under test a suite names: ``subject = "reference"`` (the default), an
+installed subject registered under the entry-point group ``harness.subjects``, or
+``"package.module:factory"``. The protocol itself is :mod:`harness.subject.protocol`.
+
+A ``module:factory`` is imported from the suite file's folder first, then from the installed
+packages: a trainer of one's own runs from a suite beside it (``examples/tiny-dp.toml`` names
+``tiny_dp:subject``). The factory is called with no arguments and returns the subject. Nothing
+else is imported: only what the suite, which the user runs, names.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import importlib.metadata
+import re
+import sys
+from pathlib import Path
+
+from harness.subject.protocol import Subject, SubjectError
+
+DEFAULT = "reference"
+ENTRY_POINT_GROUP = "harness.subjects"
+BUILTIN = {DEFAULT: "harness.subject.reference:subject"}
+_TARGET = re.compile(r"[A-Za-z_][\w.]*:[A-Za-z_]\w*")
+
+__all__ = ["DEFAULT", "ENTRY_POINT_GROUP", "Subject", "SubjectError", "load_subject"]
+
+
+@functools.cache
+def load_subject(name: str, search_dir: Path | None = None) -> Subject:
+    """The subject ``name`` names; ``search_dir`` (the suite file's folder) is searched first for a
+    ``module:factory``. Raises SubjectError naming the subject and what went wrong."""
+    target = BUILTIN.get(name)
+    if target is None and ":" not in name:
+        installed = {ep.name: ep for ep in importlib.metadata.entry_points(group=ENTRY_POINT_GROUP)}
+        if name not in installed:
+            known = ", ".join(sorted({*BUILTIN, *installed}))
+            raise SubjectError(f'subject "{name}": not a known subject ({known}) nor "package.module:factory"')
+        return _made(name, installed[name].load)
+    target = target or name
+    if not _TARGET.fullmatch(target):
+        raise SubjectError(f'subject "{name}": expected "package.module:factory"')
+    module_name, attr = target.split(":")
+    return _made(name, lambda: getattr(_import(name, module_name, search_dir), attr))
+
+
+def _import(name: str, module_name: str, search_dir: Path | None) -> object:
+    if search_dir is not None and str(search_dir) not in sys.path:
+        sys.path.insert(0, str(search_dir))
+    try:
+        return importlib.import_module(module_name)
+    except ImportError as e:
+        raise SubjectError(f'subject "{name}": cannot import {module_name}: {e}') from None
+
+
+def _made(name: str, find_factory: object) -> Subject:
+    try:
+        factory = find_factory()
+    except AttributeError as e:
+        raise SubjectError(f'subject "{name}": {e}') from None
+    if not callable(factory):
+        raise SubjectError(f'subject "{name}": {factory!r} is not a factory (a callable returning the subject)')
+    subject = factory()
+    missing = [
+        a for a in ("name", "families", "source", "train_fields", "parse_arms", "build") if not hasattr(subject, a)
+    ]
+    if missing:
+        raise SubjectError(
+            f'subject "{name}": {type(subject).__name__} lacks {", ".join(missing)} (see harness.subject.protocol)'
+        )
+    return subject

@@ -1,0 +1,196 @@
+"""The seam between the harness and a system under test: the only things the harness knows of one.
+
+A *subject* is a trainer the harness can verify: the bundled reference (``reference``), or any
+trainer a user brings (``"package.module:factory"``, or an entry point of the group
+``harness.subjects``). It does three things, in the spirit of torchtitan's ``TrainSpec``:
+
+1. **Parse its arms.** A suite's ``[model]``, ``[train]`` and ``[arms.NAME]`` tables are the
+   subject's own fields: :meth:`Subject.parse_arms` validates them with the suite's typed readers
+   (so a mistake names the file and the dotted field like any other) and returns one
+   :class:`~harness.specs.ArmSpec` per arm: its process count, its config as plain JSON (what the
+   ranks build from), the record families it emits and its seed.
+2. **Build an arm** inside each rank process, once ``torch.distributed`` is initialised
+   (:meth:`Subject.build`, given an :class:`ArmContext`), and train it: :meth:`Arm.step` returns a
+   :class:`StepRecord` per optimizer update; :meth:`Arm.drain` returns those still in flight at
+   the end (a delayed pipeline's).
+3. **Record** what it can through the :class:`Recorder` it was built with: each method is one
+   record family below. The harness writes the files (``harness/rundir.py`` names them) and judges
+   them; a subject never judges itself.
+
+Record families. Every check family declares the families it reads
+(:class:`~harness.checks.registry.CheckFamily`), and a suite whose check reads a family its arm
+cannot emit is refused at load (exit 2), naming the check and the subject.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Protocol
+
+if TYPE_CHECKING:
+    import torch
+
+    from harness.checks.registry import SuiteReader
+    from harness.specs import ArmSpec
+
+# Record families: what an arm can record, each through one Recorder method or Arm property.
+METRICS = "metrics"  # StepRecord per update, from Arm.step: every subject emits it
+RANK_UPDATES = "rank-updates"  # Recorder.rank_update: each logical rank's loss, grad norm, replica hash
+GRADIENT_DIGESTS = "gradient-digests"  # Recorder.gradients + rank_update: logical rank 0's digests per step
+FINAL_WEIGHTS = "final-weights"  # Arm.final_weights: every logical rank's parameters after the last update
+TOKEN_EXCHANGE = "token-exchange"  # Recorder.exchange_event: expert-parallel launches and waits
+GRAPH = "graph"  # Arm.graph_export: a traced step's scheduled exchange ops
+VERSIONED = "versioned-updates"  # StepRecord.extra: a delayed pipeline's ages, revisions, corrections
+PEC = "pec-events"  # Recorder.pec_event: a PEC table's lookups, gradient all-to-all starts and applies
+FIDELITY = "fidelity"  # Recorder.fidelity: an oracle's lockstep comparison, per step
+FAMILIES = (METRICS, RANK_UPDATES, GRADIENT_DIGESTS, FINAL_WEIGHTS, TOKEN_EXCHANGE, GRAPH, VERSIONED, PEC, FIDELITY)
+
+
+class SubjectError(Exception):
+    """A subject that cannot be found or loaded; the message is one line naming it and why."""
+
+
+@dataclass(frozen=True)
+class StepRecord:
+    """One optimizer update, as ``metrics.jsonl`` records it (one line).
+
+    ``step`` counts updates from 1; ``loss`` and ``grad_norm`` are the global values, identical on
+    every process, in fp32 or wider; ``tokens`` are the step's global tokens. ``extra`` holds the
+    typed columns of further record families (a versioned pipeline's ``tick``, ``revision``, ages
+    and correction statistics): numbers, strings, lists or None.
+    """
+
+    step: int
+    loss: float
+    grad_norm: float
+    tokens: int
+    step_time_s: float
+    extra: Mapping[str, Any] = field(default_factory=dict)
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "step": self.step,
+            "loss": self.loss,
+            "grad_norm": self.grad_norm,
+            "tokens": self.tokens,
+            "step_time_s": self.step_time_s,
+            **self.extra,
+        }
+
+
+@dataclass(frozen=True)
+class RankUpdate:
+    """One logical rank right after its optimizer step: its own view of the step's global loss and
+    grad norm, and its live parameters by name. The ``replicated`` ones must be equal on every
+    logical rank (data parallelism); ``sharded`` are this rank's own (its experts), if any."""
+
+    loss: float
+    grad_norm: float
+    replicated: Mapping[str, torch.Tensor]
+    sharded: Mapping[str, torch.Tensor] = field(default_factory=dict)
+
+
+class Recorder(Protocol):
+    """Where an arm records; one method per record family. Logical ranks may call from their own
+    threads, each for its own logical rank. A recorder that does not record a family (a throughput
+    run records none) takes the calls and drops them."""
+
+    def rank_update(self, logical_rank: int, step: int, update: RankUpdate) -> None:
+        """RANK_UPDATES and GRADIENT_DIGESTS: after the rank's optimizer step for update ``step``."""
+
+    def gradients(self, logical_rank: int, step: int, grads: Mapping[str, torch.Tensor]) -> None:
+        """GRADIENT_DIGESTS: the rank's final gradients of update ``step`` (reduced, before clipping),
+        in registration order."""
+
+    def exchange_event(self, logical_rank: int, event: Mapping[str, Any]) -> None:
+        """TOKEN_EXCHANGE: one launch or wait (docs/schema/event.schema.json)."""
+
+    def pec_event(self, logical_rank: int, event: Mapping[str, Any]) -> None:
+        """PEC: one lookup, gradient all-to-all start or apply of a PEC table."""
+
+    def fidelity(self, record: Mapping[str, Any]) -> None:
+        """FIDELITY: an oracle's comparison of one step (process rank 0)."""
+
+
+@dataclass(frozen=True)
+class ArmContext:
+    """What a rank hands a subject to build one arm.
+
+    The default process group is initialised (``torch.distributed``, gloo or nccl); ``arm.ranks``
+    processes host ``arm.logical_ranks`` logical ranks, process ``p`` the logical ranks
+    ``[p*L/P, (p+1)*L/P)``. Python's and torch's RNGs were seeded with ``arm.seed`` just before.
+    ``steps`` is the number of updates the arm will be asked for (a pipeline drains after them);
+    ``cache_dir`` is where a subject may keep what it can reuse across runs (the reference's traced
+    graphs), None when caching is off. ``recorder`` is None where nothing is recorded (a throughput
+    run): the arm then skips the work of recording.
+    """
+
+    arm: ArmSpec
+    device: str
+    steps: int
+    recorder: Recorder | None
+    cache_dir: Path | None = None
+
+
+class Arm(Protocol):
+    """One built arm in one rank process."""
+
+    def step(self, step: int) -> StepRecord | None:
+        """Trains update ``step`` (1, 2, ...); None while a pipeline is still filling."""
+
+    def drain(self) -> Iterable[StepRecord]:
+        """The updates still in flight after the last ``step`` (none for most trainers)."""
+
+    def info(self) -> dict[str, Any]:
+        """Facts about the built arm that checks need and the config does not say (``arm.json``):
+        the reference's MoE layers and expert fan-out. JSON-serialisable."""
+
+    def graph_export(self) -> dict | None:
+        """GRAPH: the traced step's exchange ops as plain data, or None."""
+
+    def graph_build(self) -> dict | None:
+        """Where a traced graph came from and what building it cost (the run's timeline), or None."""
+
+    def final_weights(self) -> Mapping[int, Mapping[str, torch.Tensor]]:
+        """FINAL_WEIGHTS: logical rank -> its parameters by name, for the logical ranks of this process."""
+
+    def close(self) -> None:
+        """Releases threads and memory; called once, also after a failure."""
+
+
+class Subject(Protocol):
+    """A system under test. ``name`` labels it in messages; ``families`` is every record family any
+    of its arms may emit; ``source`` is its code: a rank that raises with a frame in there is a
+    regression (exit 1), anywhere else infrastructure (exit 3). ``train_fields`` names the fields a
+    bare ``--set FIELD=VALUE`` may set on ``[train]`` and every arm setting it."""
+
+    name: str
+    families: frozenset[str]
+    source: tuple[Path, ...]
+    train_fields: Mapping[str, type]
+
+    def parse_arms(self, tables: SuiteTables, reader: SuiteReader) -> dict[str, ArmSpec]:
+        """The suite's arms, validated; raise through ``reader.error`` naming the field."""
+
+    def build(self, context: ArmContext) -> Arm:
+        """One arm, in a rank process."""
+
+    def cache_problem(self, cache_dir: Path) -> str | None:
+        """Why ``cache_dir`` must not be used (an unsafe folder), or None; checked before launching."""
+
+
+@dataclass(frozen=True)
+class SuiteTables:
+    """The raw tables of a suite that belong to its subject, and the suite facts they resolve
+    against: ``ranks`` (the default process count, ``--ranks``), ``steps``, the suite file (for
+    relative paths in it) and ``device`` (``--device``)."""
+
+    model: dict[str, Any]
+    train: dict[str, Any]
+    arms: dict[str, Any]
+    ranks: int
+    steps: int
+    suite_file: Path
+    device: str

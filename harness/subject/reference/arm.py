@@ -1,0 +1,106 @@
+"""One arm of the bundled reference in a rank process: its trainer, and the reference's sinks
+turned into the harness's :class:`~harness.subject.protocol.Recorder` calls.
+
+The trainer follows the arm's config: ``Trainer`` for a plain arm (traced or eager chunking),
+``VersionedTrainer`` or ``DelayedOracleTrainer`` for a versioned one (``trainer``), ``PECTrainer`` for
+a PEC table, and Hugging Face in lockstep (:mod:`harness.oracles.hf`, imported only then) for an
+arm with ``oracle = "hf"``. A versioned trainer counts its updates from 0 and its batches like
+steps; here its update k becomes step k + 1, so that at delay 0 it trains on the data a plain
+Trainer sees at the same step, and the two compare exactly.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+
+from harness.reference.chunking.trace_cache import GraphCache
+from harness.reference.delayed_oracle import DelayedOracleTrainer
+from harness.reference.pec import PECConfig, PECTrainer
+from harness.reference.pipeline import PipelineConfig, VersionedTrainer
+from harness.reference.train import RankUpdate as ReferenceUpdate
+from harness.reference.train import Trainer
+from harness.subject.protocol import ArmContext, RankUpdate, StepRecord
+from harness.subject.reference.arms import train_config
+
+# PipelineConfig.trainer -> the class that runs such an arm.
+PIPELINE_TRAINERS: dict[str, type[Trainer]] = {"versioned": VersionedTrainer, "delayed-oracle": DelayedOracleTrainer}
+# The module a chunk root names, by MoE layer (Hugging Face module names); see TrainConfig.chunk_roots.
+CHUNK_ROOTS = {"moe": "model.layers.{layer}.mlp", "block": "model.layers.{layer}"}
+_STEP_FIELDS = ("step", "loss", "grad_norm", "tokens", "step_time_s")
+
+
+class ReferenceArm:
+    """The reference's trainer for one arm, behind the harness's Arm protocol."""
+
+    def __init__(self, context: ArmContext) -> None:
+        self.config = train_config(context.arm.train)
+        self.offset = 1 if isinstance(self.config, PipelineConfig) else 0
+        self.trainer = self._trainer(context)
+
+    def _trainer(self, context: ArmContext) -> Any:
+        config, recorder = self.config, context.recorder
+        sinks: dict[str, Callable | None] = {"event_sink": None, "grad_sink": None, "update_sink": None}
+        if recorder is not None:
+            sinks = {
+                "event_sink": recorder.exchange_event,
+                "grad_sink": lambda rank, step, grads: recorder.gradients(rank, step + self.offset, grads),
+                "update_sink": lambda rank, step, update: recorder.rank_update(
+                    rank, step + self.offset, _update(update)
+                ),
+            }
+        if context.arm.oracle == "hf":
+            from harness.oracles.hf import HFLockstep
+
+            return HFLockstep(config, **sinks, fidelity_sink=recorder.fidelity if recorder else None)
+        if isinstance(config, PipelineConfig):
+            return PIPELINE_TRAINERS[config.trainer](config, **sinks)
+        if isinstance(config, PECConfig):
+            pec_sink = recorder.pec_event if recorder else None
+            return PECTrainer(config, **sinks, pec_sink=pec_sink, batches=context.steps)
+        cache = GraphCache(context.cache_dir) if context.cache_dir else None
+        return Trainer(config, **sinks, trace_cache=cache)
+
+    def _record(self, result: dict) -> StepRecord:
+        extra = {k: v for k, v in result.items() if k not in _STEP_FIELDS}
+        step, loss, grad_norm, tokens, seconds = (result[k] for k in _STEP_FIELDS)
+        return StepRecord(step + self.offset, loss, grad_norm, tokens, seconds, extra)
+
+    def step(self, step: int) -> StepRecord | None:
+        result = self.trainer.step(step)
+        return None if result is None else self._record(result)
+
+    def drain(self) -> list[StepRecord]:
+        if not self.offset:
+            return []
+        return [self._record(result) for result in self.trainer.drain()]
+
+    def info(self) -> dict[str, Any]:
+        """The MoE layers (Hugging Face layer indices), each one's chunk root, and the top-k."""
+        layers = list(self.trainer.moe_layers)
+        roots = CHUNK_ROOTS[self.config.chunk_roots]
+        return {
+            "moe_layers": layers,
+            "chunk_roots": [roots.format(layer=layer) for layer in layers],
+            "experts_per_token": self.config.model_config().num_experts_per_tok,
+        }
+
+    def graph_export(self) -> dict | None:
+        return self.trainer.graph_export
+
+    def graph_build(self) -> dict | None:
+        return self.trainer.graph_build
+
+    def final_weights(self) -> Mapping[int, Mapping[str, torch.Tensor]]:
+        if not isinstance(self.trainer, Trainer):  # the lockstep wrapper: its weights are synced each step
+            return {}
+        return {rank: dict(replica.model.named_parameters()) for rank, replica in self.trainer.replicas.items()}
+
+    def close(self) -> None:
+        self.trainer.close()
+
+
+def _update(update: ReferenceUpdate) -> RankUpdate:
+    return RankUpdate(update.loss, update.grad_norm, update.replicated, update.experts)
