@@ -189,8 +189,7 @@ class ArmRecords:
     events: dict[int, list[dict]] = field(default_factory=dict)  # logical rank -> token-exchange events
     ranks: dict[int, list[dict]] = field(default_factory=dict)  # logical rank -> its loss, grad norm, hashes
     digests: list[dict] = field(default_factory=list)  # logical rank 0's gradient and parameter digests
-    moe_layers: list[int] | None = None  # None: arm.json missing or without them
-    info: dict = field(default_factory=dict)  # arm.json's facts of the built arm (Arm.info): chunk roots, top-k
+    info: dict = field(default_factory=dict)  # arm.json's facts of the built arm (Arm.info): MoE layers, chunk roots
     graph: dict | None = None  # graph.json of a traced arm: its scheduled exchange ops; None if absent
     cpu_capability: str | None = None  # the ISA ATen dispatched to in the arm's ranks
     final_weights: dict[int, dict] = field(default_factory=dict)  # logical rank -> digests after the last update
@@ -200,6 +199,11 @@ class ArmRecords:
 
     def steps_done(self) -> int:
         return len(self.metrics)
+
+    @property
+    def moe_layers(self) -> list[int] | None:
+        """The MoE layers the arm recorded (``arm.json``); None when it recorded none."""
+        return self.info.get("moe_layers")
 
 
 def _read_if_there(path: Path) -> list[dict]:
@@ -217,7 +221,6 @@ def read_arm(run_dir: Path, arm: str, logical_ranks: int) -> ArmRecords:
         if files.arm.is_file():
             arm_info = json.loads(files.arm.read_text())
             records.info = arm_info.get("info", {})
-            records.moe_layers = records.info.get("moe_layers")
             records.cpu_capability = arm_info.get("cpu_capability")
         if files.graph.is_file():
             records.graph = json.loads(files.graph.read_text())

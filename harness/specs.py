@@ -125,3 +125,29 @@ class SuiteSpec:
             "expect": self.expect,
             "expected_failures": list(self.expected_failures),
         }
+
+    @classmethod
+    def from_dict(cls, raw: dict[str, Any]) -> SuiteSpec:
+        """The suite as :meth:`to_dict` wrote it (manifest.json), typed again: in a rank, or in
+        ``harness collect``."""
+        golden, throughput = raw["golden"], raw["throughput"]
+        checks = tuple(
+            CheckSpec(**{**c, "arms": tuple(c["arms"]), "metrics": tuple(c["metrics"])}) for c in raw["checks"]
+        )
+        return cls(
+            name=raw["name"],
+            description=raw["description"],
+            path=Path(raw["path"]),
+            ranks=raw["ranks"],
+            steps=raw["steps"],
+            arms={name: ArmSpec.from_dict(arm) for name, arm in raw["arms"].items()},
+            checks=checks,
+            golden_tier=golden["tier"],
+            golden_metrics=tuple(golden["metrics"]),
+            golden_cross_env=golden["cross_env"],
+            debug=DebugSpec(**raw["debug"]),
+            throughput=ThroughputSpec(**throughput) if throughput else None,
+            expect=raw["expect"],
+            expected_failures=tuple(raw["expected_failures"]),
+            subject=raw["subject"],
+        )

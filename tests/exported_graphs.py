@@ -4,6 +4,14 @@ reference writes them, scheduled with or without overlap, for the graph and over
 from __future__ import annotations
 
 MOE_LAYERS = (1, 2)
+MOE_ROOT = "model.layers.{layer}.mlp"
+
+
+def arm_info(layers: list[int] | tuple[int, ...] | None = MOE_LAYERS, root: str = MOE_ROOT) -> dict:
+    """An arm.json's ``info`` as a reference arm writes it: its MoE layers and each one's chunk root."""
+    if layers is None:
+        return {}
+    return {"moe_layers": list(layers), "chunk_roots": [root.format(layer=layer) for layer in layers]}
 # Each direction of a MoE layer exchanges twice per chunk, each a launch then its wait.
 OPS = {"fwd": ("dispatch", "combine"), "bwd": ("dispatch_data", "combine_data")}
 POOLS = {"dispatch": "dispatch", "combine": "combine", "dispatch_data": "dispatch", "combine_data": "combine"}

@@ -132,7 +132,7 @@ kind = "final-weights"
         ),
         (
             ORACLE + "ep = 4\n",
-            "checks.0.arms: final weights compare logical rank by logical rank; stale has EP 2, oracle EP 4",
+            "checks.0.arms: final weights compare logical rank by logical rank; stale has 2 logical ranks, oracle 4",
         ),
     ],
     ids=["unknown-trainer", "planted-bug-in-oracle", "clip", "ep-mismatch"],

@@ -158,7 +158,7 @@ def test_shipped_suite_covers_q_lora_on_and_off_with_learned_routing_and_both_ep
     suite = load_suite("fidelity", [("--ranks", "ranks=2")])
     arms = suite.arms
     assert {arm.oracle for arm in arms.values()} == {"hf"}
-    assert {(arm.ranks, arm.ep) for arm in arms.values()} == {(2, 2), (1, 2)}
+    assert {(arm.ranks, arm.logical_ranks) for arm in arms.values()} == {(2, 2), (1, 2)}
     assert {arm.train["model"] for arm in arms.values()} == {"cpu-tiny-learned", "cpu-tiny-learned-no-q-lora"}
     assert all(arm.train["routing"] == "learned" and arm.train["chunking"] == "eager" for arm in arms.values())
 

@@ -7,7 +7,7 @@ import json
 from pathlib import Path
 
 import pytest
-from exported_graphs import OVERLAPPED, exported_graph
+from exported_graphs import OVERLAPPED, arm_info, exported_graph
 from suite_files import suite_from
 
 from harness.checks import run_check
@@ -24,7 +24,7 @@ from harness.records import ArmRecords, read_arm
 from harness.suites import SuiteError
 
 ROOTS = ["model.layers.1.mlp", "model.layers.2.mlp"]
-REGIONS = expected_regions("moe", [1, 2])  # (root, direction) x 2 MoE layers
+REGIONS = expected_regions(arm_info([1, 2])["chunk_roots"])  # (root, direction) x 2 MoE layers
 SUITE = """
 name = "mini"
 description = "a traced arm"
@@ -44,7 +44,7 @@ kind = "graph-invariants"
 
 def _judge(tmp_path: Path, graph: dict | None, moe_layers: list[int] | None = [1, 2]) -> dict[str, CheckResult]:
     suite = suite_from(tmp_path, SUITE)
-    records = {"eager": ArmRecords(), "graph": ArmRecords(moe_layers=moe_layers, graph=graph)}
+    records = {"eager": ArmRecords(), "graph": ArmRecords(info=arm_info(moe_layers), graph=graph)}
     return {r.name: r for r in run_check(suite.checks[0], suite, records)}
 
 
@@ -96,7 +96,7 @@ def test_exchange_counts_expect_every_recorded_moe_layer_under_its_chunk_root(tm
     blocks = check_exchange_counts(read_graph(exported_graph(root="model.layers.{layer}")), roots=ROOTS, chunks=2)
     assert blocks.status == "fail"  # the block roots' exchanges, where MoE roots were expected
     unknown = _judge(tmp_path, exported_graph(), moe_layers=None)["graph: graph:exchange-counts"]
-    assert unknown.status == "fail" and "has no arm.json with its MoE layers" in unknown.detail
+    assert unknown.status == "fail" and "has no arm.json with its chunk roots" in unknown.detail
 
 
 def test_a_lost_a_misplaced_and_a_stray_wait_fail_launch_wait_pairs() -> None:
@@ -154,7 +154,7 @@ def test_the_verdicts_the_reference_writes_are_not_read(tmp_path: Path) -> None:
     arm_dir = tmp_path / "run" / "arms" / "graph"
     arm_dir.mkdir(parents=True)
     verdicts = [{"name": "graph:buffer-sets", "status": "pass", "detail": "fine", "problems": []}]
-    (arm_dir / "arm.json").write_text(json.dumps({"moe_layers": [1, 2], "graph_checks": verdicts}))
+    (arm_dir / "arm.json").write_text(json.dumps({"info": arm_info([1, 2]), "graph_checks": verdicts}))
     repeated = {"nodes": [{**n, "buffer_set": 0} for n in exported_graph()["nodes"]]}
     (arm_dir / "graph.json").write_text(json.dumps(repeated))
     suite = suite_from(tmp_path, SUITE)
@@ -164,5 +164,5 @@ def test_the_verdicts_the_reference_writes_are_not_read(tmp_path: Path) -> None:
 
 
 def test_a_graph_check_on_an_untraced_arm_is_refused(tmp_path: Path) -> None:
-    with pytest.raises(SuiteError, match=r'checks\.0\.arms\.0: arm "eager" has no graph'):
+    with pytest.raises(SuiteError, match=r'checks\.0\.arms\.0: arm "eager" exports no graph'):
         suite_from(tmp_path, SUITE + 'arms = ["eager"]\n')

@@ -6,7 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from exported_graphs import MOE_LAYERS, OVERLAPPED, SERIAL, exchange_events, exported_graph
+from exported_graphs import MOE_LAYERS, OVERLAPPED, SERIAL, arm_info, exchange_events, exported_graph
 from suite_files import suite_from
 
 from harness.checks import run_check
@@ -39,8 +39,8 @@ def _judge(tmp_path: Path, graph: dict | None, events: dict[int, list[dict]]) ->
     layers = list(MOE_LAYERS)
     records = {
         "plain": ArmRecords(),
-        "eager": ArmRecords(events=events, moe_layers=layers),
-        "graph": ArmRecords(graph=graph, moe_layers=layers),
+        "eager": ArmRecords(events=events, info=arm_info(layers)),
+        "graph": ArmRecords(graph=graph, info=arm_info(layers)),
     }
     return {r.name: r for r in run_check(suite.checks[0], suite, records)}
 

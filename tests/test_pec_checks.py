@@ -276,5 +276,5 @@ def test_pec_invariants_read_every_pec_arm_and_refuse_an_arm_without_a_table(tmp
 
 def test_a_pec_arms_golden_config_names_its_trainer_and_nothing_left_at_a_default(tmp_path: Path) -> None:
     arms = suite_from(tmp_path, PEC_SUITE.replace('pec = "pipelined"', 'pec = "sequential"\npec_overlap = 0.5')).arms
-    assert arms["pipelined"].non_defaults() == {"pec": "sequential"}
-    assert arms["plain"].non_defaults() == {}
+    assert arms["pipelined"].golden_config == {"pec": "sequential"}
+    assert arms["plain"].golden_config == {}

@@ -32,7 +32,7 @@ pytestmark = pytest.mark.filterwarnings("ignore:.*LeafSpec.*:FutureWarning")
 
 CONFIG = TrainConfig(ep=2, chunks=2)
 MOE_ROOTS = ["model.layers.1.mlp", "model.layers.2.mlp"]
-REGIONS = expected_regions("moe", [1, 2])
+REGIONS = expected_regions(["model.layers.1.mlp", "model.layers.2.mlp"])
 STEPS = 3
 
 

@@ -54,8 +54,8 @@ def test_shipped_suites_are_listed_and_load() -> None:
 def test_ranks_is_the_process_count_and_the_ep_degree_of_logical_ranks(ranks: int) -> None:
     suite = load_suite("logical-ranks", [("--ranks", f"ranks={ranks}")])
     procs, inproc = suite.arms["procs"], suite.arms["inproc"]
-    assert (procs.ranks, procs.ep) == (ranks, ranks)
-    assert (inproc.ranks, inproc.ep) == (1, ranks)
+    assert (procs.ranks, procs.logical_ranks) == (ranks, ranks)
+    assert (inproc.ranks, inproc.logical_ranks) == (1, ranks)
     groups = plan_launches(suite)
     if ranks == 1:  # one layout: both arms in one launch
         assert [(g.ranks, g.arms, g.log_dir) for g in groups] == [(1, ("procs", "inproc"), "logs")]
@@ -200,7 +200,7 @@ def test_model_fields_override_the_named_config_and_reach_every_arm_and_the_gold
 def test_a_model_field_set_to_the_named_configs_value_is_no_override(tmp_path: Path) -> None:
     """cpu-tiny's rms_norm_eps is 1e-6: the same model, so the same golden configuration."""
     suite = load_suite(str(_write(tmp_path, GOOD)), [("--set", "model.rms_norm_eps=1e-6")])
-    assert suite.arms["eager"].non_defaults() == {"chunking": "eager"}
+    assert suite.arms["eager"].golden_config == {"chunking": "eager"}
 
 
 @pytest.mark.parametrize(

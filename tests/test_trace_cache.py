@@ -28,6 +28,7 @@ from harness.reference.chunking.trace_cache import (
 )
 from harness.reference.train import TrainConfig, Trainer
 from harness.run import usable_trace_cache
+from harness.subject import load_subject
 
 CONFIG = TrainConfig(ep=1, chunking="eager-traced")
 TAG_MISMATCH = "refused (its tag does not match the user's key: altered, cut short or signed with another key)"
@@ -264,11 +265,12 @@ def test_the_harness_turns_an_unsafe_cache_off_before_launching_with_one_line(
 ) -> None:
     monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path / "config"))
     folder = tmp_path / "cache"
-    assert usable_trace_cache(folder) == (folder, None)
+    reference = load_subject("reference")
+    assert usable_trace_cache(folder, reference) == (folder, None)
     default_key_file().chmod(0o644)
     why = "expected mode 0600 (no access for others), got 0644"
-    assert usable_trace_cache(folder) == (None, f"trace cache {default_key_file()}: not used: {why}; tracing instead")
-    assert usable_trace_cache(None) == (None, None)
+    assert usable_trace_cache(folder, reference) == (None, f"trace cache {default_key_file()}: not used: {why}; tracing instead")
+    assert usable_trace_cache(None, reference) == (None, None)
 
 
 def test_processes_making_the_key_at_once_agree_on_one(tmp_path: Path) -> None:

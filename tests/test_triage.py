@@ -6,9 +6,12 @@ import signal
 
 import pytest
 
-from harness.triage import INFRASTRUCTURE, REGRESSION, SUBJECT_DIR, classify, exception_line
+from harness.subject import load_subject
+from harness.triage import INFRASTRUCTURE, REGRESSION, classify, exception_line
 
 WORKER = "/work/harness/harness/worker.py"
+SOURCE = load_subject("reference").source
+SUBJECT_DIR = SOURCE[0]
 
 
 def _traceback(*files: str, last: str) -> str:
@@ -26,7 +29,7 @@ def test_a_signal_is_infrastructure_and_an_oom_kill_is_named() -> None:
 def test_a_shape_error_raised_through_the_reference_is_a_regression() -> None:
     text = _traceback(WORKER, str(SUBJECT_DIR / "model.py"), "/site-packages/torch/nn/functional.py",
                       last="RuntimeError: mat1 and mat2 shapes cannot be multiplied (4x3 and 5x6)")  # fmt: skip
-    verdict = classify(1, text)
+    verdict = classify(1, text, subject_source=SOURCE)
     assert verdict.kind == REGRESSION and verdict.reason == "raised in the system under test (model.py)"
 
 
@@ -34,7 +37,7 @@ def test_an_internal_consistency_assertion_of_the_reference_is_a_regression() ->
     text = _traceback(
         WORKER, str(SUBJECT_DIR / "versioned.py"), last="RuntimeError: replay of batch 2 diverged: loss 1 != 2"
     )
-    assert classify(1, text).kind == REGRESSION
+    assert classify(1, text, subject_source=SOURCE).kind == REGRESSION
 
 
 @pytest.mark.parametrize(
@@ -49,15 +52,23 @@ def test_an_internal_consistency_assertion_of_the_reference_is_a_regression() ->
 )
 def test_flake_patterns_win_even_inside_the_reference(last: str) -> None:
     text = _traceback(WORKER, str(SUBJECT_DIR / "ep" / "group.py"), "/torch/distributed/distributed_c10d.py", last=last)
-    assert classify(1, text).kind == INFRASTRUCTURE
+    assert classify(1, text, subject_source=SOURCE).kind == INFRASTRUCTURE
 
 
 def test_a_raise_outside_the_system_under_test_is_infrastructure() -> None:
     text = _traceback(WORKER, last="RuntimeError: injected failure")
-    assert classify(1, text).reason == "raised outside the system under test"
+    assert classify(1, text, subject_source=SOURCE).reason == "raised outside the system under test"
     assert classify(13, None).reason == "exit code 13 without a traceback"
 
 
 def test_exception_line_is_the_last_unindented_line() -> None:
     text = _traceback(WORKER, last="ValueError: bad\n  note: indented")
     assert exception_line(text) == "ValueError: bad"
+
+
+def test_the_system_under_test_is_the_code_its_subject_names() -> None:
+    """The same traceback through the reference is a regression of the reference and infrastructure
+    of another subject: a user's trainer is judged by its own code."""
+    text = _traceback(WORKER, str(SUBJECT_DIR / "model.py"), last="RuntimeError: shapes cannot be multiplied")
+    assert classify(1, text, subject_source=SOURCE).kind == REGRESSION
+    assert classify(1, text, subject_source=("/work/examples/tiny_dp.py",)).kind == INFRASTRUCTURE

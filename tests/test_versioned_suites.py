@@ -10,6 +10,7 @@ import pytest
 
 from harness.checks.exchange import pipeline_plan
 from harness.checks.versioned import check_correction_stats, check_exactly_once, check_staleness_ages
+from harness.subject.protocol import VERSIONED
 from harness.records import read_jsonl
 from harness.suites import SuiteError, load_suite
 
@@ -171,7 +172,7 @@ def test_pipeline_fields_are_validated(tmp_path: Path, extra: str, expected: str
     path.write_text(SUITE + extra + ("" if "[[checks]]" in extra else ONE_CHECK))
     if expected is None:
         suite = load_suite(str(path))
-        assert suite.arms["stale"].versioned and not suite.arms["plain"].versioned
+        assert suite.arms["stale"].emits(VERSIONED) and not suite.arms["plain"].emits(VERSIONED)
         return
     with pytest.raises(SuiteError) as info:
         load_suite(str(path))

@@ -1,0 +1,83 @@
+"""``manifest.json``: what a run was asked to do, written once before any rank starts.
+
+The ranks build their arms from it, ``harness collect`` judges a Slurm run from it, and the report
+shows it; so it is one typed value, written and read here and nowhere else, with a schema version
+(``docs/schema/manifest.schema.json``). The suite inside is :meth:`SuiteSpec.to_dict`, read back with
+:meth:`SuiteSpec.from_dict`: the same types on both sides of the process boundary.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from harness.records import write_json_atomic
+from harness.rundir import MANIFEST
+from harness.specs import SuiteSpec
+
+SCHEMA_VERSION = 1
+
+
+class ManifestError(Exception):
+    """A manifest.json that cannot be read; the message names the file and what is wrong."""
+
+
+@dataclass(frozen=True)
+class Manifest:
+    """One run's request: the command, the resolved suite, the environment it runs in, its launch
+    groups (``harness.launchers.LaunchGroup`` as data), the golden plan with absolute paths, the
+    time limit and the trace cache the ranks may use."""
+
+    command: list[str]
+    created: str
+    suite: dict[str, Any]
+    versions: dict[str, Any]
+    device: str
+    device_class: str
+    cpu_isa: dict[str, Any] | None
+    backend: str
+    ranks: int
+    seed: list[int]
+    env_key: str
+    golden_config: dict[str, Any]
+    launches: list[dict[str, Any]]
+    golden: dict[str, Any]
+    timeout_s: float
+    trace_cache: str | None
+    schema_version: int = SCHEMA_VERSION
+
+    def spec(self) -> SuiteSpec:
+        """The suite, typed again."""
+        return SuiteSpec.from_dict(self.suite)
+
+    def launch(self, group: str) -> dict[str, Any]:
+        """The launch group named ``group``, as recorded."""
+        return next(g for g in self.launches if g["name"] == group)
+
+    def to_json(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    def write(self, run_dir: Path) -> None:
+        write_json_atomic(Path(run_dir) / MANIFEST, self.to_json())
+
+    @classmethod
+    def read(cls, run_dir: Path) -> Manifest:
+        """The run directory's manifest; ManifestError naming the file and the field when it is not one."""
+        path = Path(run_dir) / MANIFEST
+        try:
+            raw = json.loads(path.read_text())
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+            raise ManifestError(f"{path}: not readable: {e}") from None
+        if not isinstance(raw, dict):
+            raise ManifestError(f"{path}: expected a JSON object")
+        version = raw.get("schema_version")
+        if version != SCHEMA_VERSION:
+            raise ManifestError(f"{path}: schema_version {version!r}, this harness reads {SCHEMA_VERSION}")
+        fields = {f.name for f in dataclasses.fields(cls)}
+        missing, unknown = sorted(fields - raw.keys()), sorted(raw.keys() - fields)
+        if missing or unknown:
+            raise ManifestError(f"{path}: {'missing ' + ', '.join(missing) if missing else 'unknown ' + ', '.join(unknown)}")
+        return cls(**raw)
