@@ -158,9 +158,7 @@ class TinyDP:
     """The subject: its arms are :class:`TinyConfig` tables, one logical rank per process."""
 
     name = "tiny-dp"
-    families = frozenset(
-        {protocol.METRICS, protocol.RANK_UPDATES, protocol.GRADIENT_DIGESTS, protocol.FINAL_WEIGHTS}
-    )
+    families = frozenset({protocol.METRICS, protocol.RANK_UPDATES, protocol.GRADIENT_DIGESTS, protocol.FINAL_WEIGHTS})
     source = (Path(__file__).resolve(),)
     train_fields = {f: type(v) for f, v in TinyConfig().__dict__.items()}
 

@@ -27,14 +27,9 @@ from harness.ci import run_gate
 from harness.environment import CPU_ISAS, cuda_preflight, describe_environment
 from harness.golden import GOLDEN_MODES, GoldenError
 from harness.launchers.slurm.profile import load_profile
-from harness.run import (
-    GOLDEN_DIR,
-    RunOptions,
-    UsageError,
-    rerender,
-    run_suite,
-    trace_cache_dir,
-)
+from harness.outputs import rerender
+from harness.prepare import GOLDEN_DIR, RunOptions, UsageError, trace_cache_dir
+from harness.run import run_suite
 from harness.shipped import inside_package
 from harness.slurm_run import collect_run, submit_suite
 from harness.suites import SUITES_DIR, SuiteError, list_suites, load_suite

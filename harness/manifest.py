@@ -78,6 +78,8 @@ class Manifest:
             raise ManifestError(f"{path}: schema_version {version!r}, this harness reads {SCHEMA_VERSION}")
         fields = {f.name for f in dataclasses.fields(cls)}
         missing, unknown = sorted(fields - raw.keys()), sorted(raw.keys() - fields)
-        if missing or unknown:
-            raise ManifestError(f"{path}: {'missing ' + ', '.join(missing) if missing else 'unknown ' + ', '.join(unknown)}")
+        if missing:
+            raise ManifestError(f"{path}: missing {', '.join(missing)}")
+        if unknown:
+            raise ManifestError(f"{path}: unknown {', '.join(unknown)}")
         return cls(**raw)

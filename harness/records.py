@@ -25,6 +25,8 @@ from harness.rundir import arm_files
 if TYPE_CHECKING:
     import pandas as pd
 
+    from harness.specs import SuiteSpec
+
 METRIC_COLUMNS = ("loss", "grad_norm", "tokens", "step_time_s")
 # A write_json_atomic temp file older than this is a killed write's leftover, not a writer's work in progress.
 STALE_TEMP_S = 60.0
@@ -237,3 +239,11 @@ def read_arm(run_dir: Path, arm: str, logical_ranks: int) -> ArmRecords:
     except (RecordError, OSError, ValueError) as e:
         records.error = f"unreadable records of arm '{arm}': {e}"
     return records
+
+
+def read_records(suite: SuiteSpec, run_dir: Path) -> dict[str, ArmRecords]:
+    """Every arm's records, as complete as the run left them; none for a throughput run (its blocks
+    are ``throughput.jsonl``, which its gate reads)."""
+    if suite.throughput:
+        return {}
+    return {arm: read_arm(run_dir, arm, spec.logical_ranks) for arm, spec in suite.arms.items()}

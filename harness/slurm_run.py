@@ -19,7 +19,8 @@ from harness.launchers.slurm.jobs import JOB_DIR, JOBS_FILE, SlurmJob, read_jobs
 from harness.launchers.slurm.profile import SlurmProfile, check_gpus, job_shape
 from harness.launchers.slurm.submit import SlurmError, cancel, require_slurm, submit_jobs
 from harness.launchers.slurm.watch import JobWatch
-from harness.run import PreparedRun, RunOptions, UsageError, judge_run, plan_groups, prepare_run, read_prepared
+from harness.prepare import PreparedRun, RunOptions, UsageError, plan_groups, prepare_run, read_prepared
+from harness.run import judge_run
 from harness.rundir import MANIFEST
 from harness.specs import SuiteSpec
 from harness.suites import load_suite

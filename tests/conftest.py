@@ -25,13 +25,18 @@ def _validator(name: str) -> jsonschema.Draft202012Validator:
 
 
 SUMMARY_SCHEMA, METRICS_LINE_SCHEMA = _validator("summary.schema.json"), _validator("metrics-line.schema.json")
+MANIFEST_SCHEMA, ARM_SCHEMA = _validator("manifest.schema.json"), _validator("arm.schema.json")
 
 
 def valid_summary(run_dir: Path) -> dict:
-    """summary.json of a run, checked against its published JSON Schema, and so is every line of its
-    arms' metrics.jsonl: what a dashboard reads must be what the docs say."""
+    """summary.json of a run, checked against its published JSON Schema, and so are its manifest.json,
+    every arm.json and every line of its arms' metrics.jsonl: what a dashboard reads must be what
+    the docs say."""
     summary = json.loads((run_dir / "summary.json").read_text())
     SUMMARY_SCHEMA.validate(summary)
+    MANIFEST_SCHEMA.validate(json.loads((run_dir / "manifest.json").read_text()))
+    for arm in sorted(run_dir.glob("arms/*/arm.json")):
+        ARM_SCHEMA.validate(json.loads(arm.read_text()))
     for metrics in sorted(run_dir.glob("arms/*/metrics.jsonl")):
         for line in read_jsonl(metrics):
             METRICS_LINE_SCHEMA.validate(line)

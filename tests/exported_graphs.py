@@ -12,6 +12,8 @@ def arm_info(layers: list[int] | tuple[int, ...] | None = MOE_LAYERS, root: str 
     if layers is None:
         return {}
     return {"moe_layers": list(layers), "chunk_roots": [root.format(layer=layer) for layer in layers]}
+
+
 # Each direction of a MoE layer exchanges twice per chunk, each a launch then its wait.
 OPS = {"fwd": ("dispatch", "combine"), "bwd": ("dispatch_data", "combine_data")}
 POOLS = {"dispatch": "dispatch", "combine": "combine", "dispatch_data": "dispatch", "combine_data": "combine"}

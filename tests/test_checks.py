@@ -9,8 +9,8 @@ from suite_files import suite_from
 
 from harness.checks import run_check
 from harness.environment import CpuPin
+from harness.judge import record_checks
 from harness.records import ArmRecords
-from harness.run import record_checks
 
 SUITE = """
 name = "mini"

@@ -318,14 +318,14 @@ def test_timeout_while_ranks_start_says_no_stack_was_dumped(run_harness, tmp_pat
 
 
 HARNESS_BUG = """
-import harness.run
+import harness.judge
 
 
 def broken_check(check, suite, records):
     raise TypeError("unsupported operand type(s) for +: 'int' and 'NoneType'")
 
 
-harness.run.run_check = broken_check
+harness.judge.run_check = broken_check
 """
 
 

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import jsonschema
 import pytest
-from conftest import METRICS_LINE_SCHEMA, SUMMARY_SCHEMA, valid_summary
+from conftest import ARM_SCHEMA, MANIFEST_SCHEMA, METRICS_LINE_SCHEMA, SUMMARY_SCHEMA, valid_summary
 
 
 def test_a_real_run_validates_and_an_undocumented_field_does_not(run_harness, tmp_path: Path) -> None:
@@ -28,3 +28,12 @@ def test_a_real_run_validates_and_an_undocumented_field_does_not(run_harness, tm
     METRICS_LINE_SCHEMA.validate(line)
     with pytest.raises(jsonschema.ValidationError, match="'step' is a required property"):
         METRICS_LINE_SCHEMA.validate({k: v for k, v in line.items() if k != "step"})
+    manifest = json.loads((out / "manifest.json").read_text())
+    with pytest.raises(jsonschema.ValidationError, match="1 was expected"):
+        MANIFEST_SCHEMA.validate({**manifest, "schema_version": 2})
+    with pytest.raises(jsonschema.ValidationError, match="'subject' is a required property"):
+        SUMMARY_SCHEMA.validate({k: v for k, v in summary.items() if k != "subject"})
+    arm = json.loads((out / "arms" / "first" / "arm.json").read_text())
+    assert arm["info"]["moe_layers"] and len(arm["info"]["chunk_roots"]) == len(arm["info"]["moe_layers"])
+    with pytest.raises(jsonschema.ValidationError, match="Additional properties"):
+        ARM_SCHEMA.validate({**arm, "moe_layers": arm["info"]["moe_layers"]})

@@ -55,7 +55,7 @@ def test_a_check_tiny_dp_cannot_feed_is_refused_at_load_naming_the_check_and_sub
     run = run_harness("run", TINY_DP, "--set", f"checks.2.kind={kind}")
     assert run.returncode == 2, run.stdout + run.stderr
     assert run.stderr.strip().splitlines() == [
-        f"error: --set checks.2.kind: {kind} reads {_reads(kind)} records, which subject \"tiny-dp\" does not emit"
+        f'error: --set checks.2.kind: {kind} reads {_reads(kind)} records, which subject "tiny-dp" does not emit'
         " (it emits: final-weights, gradient-digests, metrics, rank-updates)"
     ]
     assert "run dir" not in run.stdout  # refused before anything was launched
@@ -66,17 +66,23 @@ def _reads(kind: str) -> str:
 
 
 def test_tiny_dp_throughput_is_measured_in_abba_blocks(run_harness, tmp_path: Path) -> None:
+    """The subject feeds ABBA like the reference: blocks timed on every rank, tokens from its step
+    records. The verdict is the gate's business (tests/test_throughput.py); here, that it judged."""
     out = tmp_path / "abba"
     run = run_harness(
-        "abba", TINY_DP, "--a", "bucket", "--b", "per-parameter", "--blocks", 2, "--steps", 2, "--warmup", 1,
-        "--max-slowdown", 100, "--out", out,
+        "abba", TINY_DP, "--a", "bucket", "--b", "per-parameter", "--blocks", 3, "--steps", 2, "--warmup", 1,
+        "--out", out,
     )  # fmt: skip
-    assert run.returncode == 0, run.stdout + run.stderr
+    summary = run.summary(out)
+    assert run.returncode == summary["exit_code"] and run.returncode in (0, 1, 4), run.stdout + run.stderr
     rows = read_jsonl(out / "throughput.jsonl")
     roles = [r["role"] for r in rows]
-    assert len(rows) == 8 and roles.count("A") == roles.count("B") == 4
-    assert all(r["tokens_per_s"] > 0 and r["seconds"] > 0 for r in rows)
-    assert run.check(out, "throughput: per-parameter vs bucket")["status"] == "pass"
+    assert len(rows) == 12 and roles.count("A") == roles.count("B") == 6
+    assert {r["arm"] for r in rows} == {"bucket", "per-parameter"}
+    tokens_per_step = 2 * 4 * 16  # 2 ranks x local_batch x seq_len
+    assert all(r["tokens_per_s"] * r["seconds"] == pytest.approx(2 * tokens_per_step) for r in rows)
+    gate = summary["throughput"]
+    assert 0 < gate["low"] <= gate["ratio"] <= gate["high"] and len(gate["per_block_ratios"]) == 3
 
 
 def test_every_check_family_reads_only_record_families_the_protocol_defines() -> None:
@@ -108,7 +114,7 @@ def _suite(tmp_path: Path, subject: str, body: str = "") -> Path:
     [
         ("nosuch", None, 'subject: subject "nosuch": not a known subject (reference) nor "package.module:factory"'),
         ("missing_mod:subject", None, 'subject: subject "missing_mod:subject": cannot import missing_mod'),
-        ("plain1:nothing", "x = 1\n", "subject: subject \"plain1:nothing\": module 'plain1' has no attribute 'nothing'"),
+        ("plain1:no", "x = 1\n", "subject: subject \"plain1:no\": module 'plain1' has no attribute 'no'"),
         ("plain2:x", "x = 1\n", 'subject: subject "plain2:x": 1 is not a factory'),
         ("plain3:f", "def f():\n    return object()\n", 'subject: subject "plain3:f": object lacks name, families'),
     ],

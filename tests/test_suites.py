@@ -9,7 +9,7 @@ import pytest
 
 from harness.golden import config_differences
 from harness.launchers import plan_launches
-from harness.run import golden_config
+from harness.prepare import golden_config
 from harness.suites import SuiteError, list_suites, load_suite
 
 GOOD = """

@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from harness.prepare import usable_trace_cache
 from harness.reference.chunking.graph_step import ScheduledGraph
 from harness.reference.chunking.trace_cache import (
     REFERENCE_ROOT,
@@ -27,7 +28,6 @@ from harness.reference.chunking.trace_cache import (
     open_cache,
 )
 from harness.reference.train import TrainConfig, Trainer
-from harness.run import usable_trace_cache
 from harness.subject import load_subject
 
 CONFIG = TrainConfig(ep=1, chunking="eager-traced")
@@ -269,7 +269,8 @@ def test_the_harness_turns_an_unsafe_cache_off_before_launching_with_one_line(
     assert usable_trace_cache(folder, reference) == (folder, None)
     default_key_file().chmod(0o644)
     why = "expected mode 0600 (no access for others), got 0644"
-    assert usable_trace_cache(folder, reference) == (None, f"trace cache {default_key_file()}: not used: {why}; tracing instead")
+    line = f"trace cache {default_key_file()}: not used: {why}; tracing instead"
+    assert usable_trace_cache(folder, reference) == (None, line)
     assert usable_trace_cache(None, reference) == (None, None)
 
 

@@ -10,8 +10,8 @@ import pytest
 
 from harness.checks.exchange import pipeline_plan
 from harness.checks.versioned import check_correction_stats, check_exactly_once, check_staleness_ages
-from harness.subject.protocol import VERSIONED
 from harness.records import read_jsonl
+from harness.subject.protocol import VERSIONED
 from harness.suites import SuiteError, load_suite
 
 

@@ -1,0 +1,179 @@
+"""Judging a launched run: what its ranks recorded, checked (:func:`judge`).
+
+In order: each failed launch group (a rank that raised from the system under test is a
+regression, anything else infrastructure: triage.py), the records themselves (unreadable, short,
+or off the pinned kernel ISA), the suite's [[checks]] through their families (harness/checks/), and
+the golden; a throughput run has its ABBA gate instead. Checks of arms that never ran are not
+evaluated; a negative suite's expected failures are marked as such (verdict.py). Then the verdict,
+the exit code, and, for ``--golden update`` of a run that passed, the new golden.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import pandas as pd
+
+from harness.cancel import Cancelled
+from harness.checks import run_check
+from harness.compare import CheckResult
+from harness.environment import CpuPin
+from harness.golden import GoldenPlan, diff_summary, golden_checks, golden_from_metrics, write_golden
+from harness.launchers import LaunchGroup, LaunchResult
+from harness.launching import Launched
+from harness.manifest import Manifest
+from harness.prepare import PreparedRun, golden_config, suite_dtype
+from harness.records import ArmRecords
+from harness.specs import SuiteSpec
+from harness.throughput import judge_throughput
+from harness.triage import REGRESSION
+from harness.verdict import EXIT_PASS, apply_expectations, mark_not_evaluated, unrun_arms, verdict_of
+
+log = logging.getLogger("harness")
+
+
+@dataclass(frozen=True)
+class Judgement:
+    """The run's checks, its verdict and exit code, and what became of its golden: the line
+    summary.json keeps (``golden_outcome``) and what the console prints after the verdict."""
+
+    checks: list[CheckResult]
+    verdict: str
+    exit_code: int
+    golden_outcome: str | None
+    golden_news: str | None
+
+
+def judge(run: PreparedRun, launched: Launched, records: dict[str, ArmRecords]) -> Judgement:
+    """The checks of what ``launched`` left, the verdict, and the golden update where one is asked
+    for and the run passed. A signal while judging cancels the run (its checks are then unknown);
+    an error of the harness is one internal-error check."""
+    cancelled, checks = launched.cancelled, []
+    try:
+        if cancelled is None:
+            with run.phases.phase("judge"):
+                checks = _checks(run, launched, records)
+    except Cancelled as c:
+        cancelled = c
+    except Exception as e:
+        log.exception("internal error while judging the suite")
+        checks = [CheckResult("harness", "internal-error", "error", f"internal error: {type(e).__name__}: {e}")]
+    if cancelled is not None:
+        checks = [*checks, cancelled_check(cancelled, launched.elapsed_s())]
+        verdict, exit_code = "cancelled", cancelled.exit_code
+    else:
+        verdict, exit_code = verdict_of(checks)
+    golden = run.golden
+    news = golden.outcome(checks)
+    if golden.mode == "update":
+        news = f"not updating {golden.shown(golden.path)}: the run did not pass"
+        if exit_code == EXIT_PASS:
+            metrics = {arm: rec.metrics for arm, rec in records.items() if rec.steps_done()}
+            try:
+                news = update_golden(golden, run.suite, run.manifest, metrics)
+            except Cancelled as c:  # the golden is replaced atomically: the old one stays
+                checks = [*checks, cancelled_check(c, launched.elapsed_s())]
+                verdict, exit_code, news = "cancelled", c.exit_code, f"not updating {golden.shown(golden.path)}: {c}"
+    return Judgement(checks, verdict, exit_code, news.splitlines()[-1] if news else None, news)
+
+
+def _checks(run: PreparedRun, launched: Launched, records: dict[str, ArmRecords]) -> list[CheckResult]:
+    if launched.internal_error:
+        return [CheckResult("harness", "internal-error", "error", launched.internal_error)]
+    if run.suite.throughput:
+        return [*launch_checks(launched.results), judge_throughput(run.suite, run.run_dir, run.groups)]
+    return collect_checks(run.suite, run.groups, launched.results, records, run.golden, run.pin)
+
+
+def launch_checks(launches: list[LaunchResult]) -> list[CheckResult]:
+    """A failed launch group as a check: "rank k raised" (a regression) when its root cause raised
+    from the system under test, else an infrastructure error."""
+    checks = []
+    for r in launches:
+        if r.ok:
+            continue
+        if r.verdict is not None and r.verdict.kind == REGRESSION:
+            root = r.root
+            extra = {"traceback": root.traceback, "log": root.log, "error": r.error}
+            checks.append(CheckResult(f"rank {root.rank} raised", "rank-raised", "fail", r.headline, extra=extra))
+        else:
+            checks.append(
+                CheckResult(f"launch: {r.group.name}", "launch", "error", r.headline, extra={"error": r.error})
+            )
+    return checks
+
+
+def record_checks(
+    suite: SuiteSpec, records: dict[str, ArmRecords], pin: CpuPin | None, crashed: bool
+) -> list[CheckResult]:
+    """Unreadable records, arms that stopped short though no rank failed, and ranks that did not
+    run on the pinned kernel ISA."""
+    checks = [
+        CheckResult(f"records: {arm}", "records", "error", rec.error) for arm, rec in records.items() if rec.error
+    ]
+    for arm, rec in records.items():
+        if not crashed and not rec.error and rec.steps_done() != suite.steps:
+            detail = f"arm '{arm}' recorded {rec.steps_done()} of {suite.steps} steps, and no rank failed"
+            checks.append(CheckResult(f"records: {arm}", "records", "fail", detail))
+    if pin is not None and pin.pinned:
+        for arm, rec in records.items():
+            if rec.cpu_capability not in (None, pin.capability):
+                detail = f"arm '{arm}' ran on {rec.cpu_capability} kernels, not the pinned {pin.capability}"
+                checks.append(CheckResult(f"cpu-isa: {arm}", "cpu-isa", "error", detail))
+    return checks
+
+
+def collect_checks(
+    suite: SuiteSpec,
+    groups: list[LaunchGroup],
+    launches: list[LaunchResult],
+    records: dict[str, ArmRecords],
+    golden: GoldenPlan,
+    pin: CpuPin | None,
+) -> list[CheckResult]:
+    """Rank failures first, then the records, the suite's checks and the golden's, all on whatever
+    the arms recorded: a check never passes on steps that did not run, and a check of an arm that a
+    failed launch never ran is not evaluated (verdict.py)."""
+    failures = launch_checks(launches)
+    checks = record_checks(suite, records, pin, crashed=bool(failures))
+    for check in suite.checks:
+        checks += run_check(check, suite, records)
+    if golden.mode == "check":
+        checks += golden_checks(golden, {arm: rec.metrics for arm, rec in records.items()}, suite.steps)
+    elif golden.mode == "off":
+        checks.append(CheckResult("golden", "golden", "skip", golden.note or "not compared"))
+    checks = mark_not_evaluated(checks, unrun_arms(suite, groups, launches, records))
+    return [*failures, *apply_expectations(suite, checks)]
+
+
+def update_golden(plan: GoldenPlan, suite: SuiteSpec, manifest: Manifest, metrics: dict[str, pd.DataFrame]) -> str:
+    """Writes the run's trajectories as the golden (atomically); returns the diff for the reviewer."""
+    provenance = {
+        "torch": manifest.versions["torch"],
+        "device": manifest.device_class,
+        "backend": manifest.backend,
+        "dtype": suite_dtype(suite),
+        "harness": manifest.versions["harness"],
+        "git_sha": manifest.versions["git_sha"],
+        "date": manifest.created,
+    }
+    new = golden_from_metrics(
+        suite.name,
+        manifest.env_key,
+        provenance,
+        golden_config(suite),
+        suite.golden_tier,
+        metrics,
+        suite.golden_metrics,
+    )
+    write_golden(plan.path, new)
+    return "\n".join(filter(None, [plan.note, diff_summary(plan.golden, new), f"wrote {plan.shown(plan.path)}"]))
+
+
+def cancelled_check(cancelled: Cancelled, elapsed_s: float) -> CheckResult:
+    detail = (
+        f"{cancelled}: the run stopped after {elapsed_s:.1f} s; every step recorded until then is"
+        " kept under arms/ (summary.arms says how many)"
+    )
+    return CheckResult("cancelled", "cancelled", "error", detail)

@@ -1,0 +1,285 @@
+"""Preparing a run: everything validated that can be before a rank starts, the run directory made
+and ``manifest.json`` written (:func:`prepare_run`); or a prepared run read back from its
+directory (:func:`read_prepared`, for ``harness collect``). Raises UsageError or GoldenError
+(exit 2) with nothing launched.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import os
+import sys
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import TextIO
+
+import torch
+
+import harness
+from harness.cancel import Cancellation
+from harness.environment import CpuPin, backend_for, cpu_pin, device_class, run_env_key, versions
+from harness.golden import GoldenPlan, load_golden, plan_golden
+from harness.launchers import LaunchGroup, plan_launches
+from harness.manifest import Manifest, ManifestError
+from harness.phases import PhaseLog
+from harness.records import QuietFileHandler
+from harness.rundir import HARNESS_LOG, LOGS_DIR
+from harness.shipped import shipped_dir
+from harness.specs import SuiteSpec
+from harness.subject import Subject, load_subject
+from harness.throughput import plan_throughput_launches
+
+# Run directories go under ./reports of the working directory: never into an installed package.
+REPORTS_DIR = Path("reports")
+TRACE_ENV = "HARNESS_TRACE_CACHE"
+# The shipped goldens; HARNESS_GOLDEN_DIR moves the default golden root (a CI cache, a test's empty directory).
+GOLDEN_DIR = Path(os.environ.get("HARNESS_GOLDEN_DIR", shipped_dir("golden")))
+log = logging.getLogger("harness")
+
+
+class UsageError(Exception):
+    """Bad usage or input detected before launching; one line, exit code 2."""
+
+
+@dataclass(frozen=True)
+class RunOptions:
+    """How to run a suite: the command line's options, validated."""
+
+    device: str = "cpu"
+    out: Path | None = None
+    timeout_s: float = 600.0
+    golden: str = "auto"  # auto: check when a golden applies to this environment
+    golden_dir: Path = GOLDEN_DIR
+    cpu_isa: str = "avx2"  # avx2: the portable kernel pin (environment.py); native: opt out
+    command: tuple[str, ...] = ()
+    verbose: bool = False  # plain per-step lines on a terminal too, in place of the live display
+    trace_cache: Path | None = None  # where traced arms keep their graphs (reference/chunking/trace_cache.py)
+
+
+def trace_cache_dir(flag: str | None) -> Path | None:
+    """``--trace-cache DIR|off``, else $HARNESS_TRACE_CACHE (the same), else the user's cache directory;
+    None for off. A path that exists and is not a directory is a usage error naming where it came from."""
+    source, value = ("--trace-cache", flag) if flag is not None else ("HARNESS_TRACE_CACHE", os.environ.get(TRACE_ENV))
+    if value is None:
+        return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "harness" / "traces"
+    if value == "off":
+        return None
+    if not value:
+        raise UsageError(f"{source}: expected a directory or off, got an empty value")
+    path = Path(value).expanduser().absolute()
+    if path.exists() and not path.is_dir():
+        raise UsageError(f"{source} {value}: exists and is not a directory")
+    return path
+
+
+def usable_trace_cache(path: Path | None, subject: Subject) -> tuple[Path | None, str | None]:
+    """The trace cache the ranks may use (None: off), and the line saying why not when the subject
+    finds its folder unsafe (the reference: reference/chunking/trace_cache.py): the run then traces,
+    and is judged on its merits."""
+    problem = getattr(subject, "cache_problem", None)
+    why = problem(path) if path is not None and problem is not None else None
+    return (None, why) if why else (path, None)
+
+
+def suite_subject(suite: SuiteSpec) -> Subject:
+    """The suite's system under test (harness/subject/)."""
+    return load_subject(suite.subject, suite.path.resolve().parent)
+
+
+def suite_dtype(suite: SuiteSpec) -> str:
+    return "+".join(sorted({arm.dtype for arm in suite.arms.values()}))
+
+
+def golden_config(suite: SuiteSpec) -> dict:
+    """What a golden is recorded for: steps, and each arm's processes and non-default fields.
+
+    Non-default fields only: a field the reference adds later leaves goldens comparable, while a
+    changed default moves the numerics and shows up as a golden failure, as it should.
+    """
+    arms = {a.name: {"ranks": a.ranks, "config": a.golden_config} for a in suite.arms.values()}
+    return {"steps": suite.steps, "arms": arms}
+
+
+def check_device(suite: SuiteSpec, device: str) -> None:
+    if device != "cuda":
+        return
+    needed = max(arm.ranks for arm in suite.arms.values())
+    have = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if have < needed:
+        raise UsageError(f"--device cuda: suite {suite.name} needs {needed} GPUs (one per rank), {have} visible")
+
+
+def make_run_dir(suite: SuiteSpec, out: Path | None) -> Path:
+    """``--out DIR`` (new or empty), else ./reports/<suite>/<UTC timestamp>[-n], never reused."""
+    if out is not None:
+        if out.exists() and (not out.is_dir() or any(out.iterdir())):
+            raise UsageError(f"--out {out}: exists and is not an empty directory")
+        try:
+            out.mkdir(parents=True, exist_ok=True)
+            (out / LOGS_DIR).mkdir()
+        except OSError as e:
+            raise UsageError(f"--out {out}: cannot create the run directory: {e.strerror}") from None
+        return out
+    stamp = datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%SZ")
+    base = REPORTS_DIR.absolute() / suite.name
+    try:
+        base.mkdir(parents=True, exist_ok=True)
+        for n in range(1, 1000):
+            path = base / (stamp if n == 1 else f"{stamp}-{n}")
+            try:
+                path.mkdir()
+            except FileExistsError:
+                continue
+            (path / LOGS_DIR).mkdir()
+            return path
+    except OSError as e:
+        raise UsageError(f"{base}: cannot create a run directory ({e.strerror}); choose one with --out DIR") from None
+    raise UsageError(f"{base}: cannot create a run directory for {stamp}")
+
+
+@contextmanager
+def harness_log(run_dir: Path) -> Iterator[Path]:
+    """The harness's own log for one run, logs/harness.log: decisions, and every traceback."""
+    path = run_dir / HARNESS_LOG
+    handler = QuietFileHandler(path)
+    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(message)s"))
+    log.addHandler(handler)
+    log.setLevel(logging.INFO)
+    try:
+        yield path
+    finally:
+        log.removeHandler(handler)
+        handler.close()
+
+
+def build_manifest(
+    suite: SuiteSpec, options: RunOptions, key: str, pin: CpuPin | None, golden: GoldenPlan, groups: list[LaunchGroup]
+) -> Manifest:
+    return Manifest(
+        command=list(options.command),
+        created=datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        suite=suite.to_dict(),
+        versions=versions(),
+        device=options.device,
+        device_class=device_class(options.device, pin),
+        cpu_isa=pin.to_dict() if pin else None,
+        backend=backend_for(options.device),
+        ranks=suite.ranks,
+        seed=sorted({arm.seed for arm in suite.arms.values()}),
+        env_key=key,
+        golden_config=golden_config(suite),
+        launches=[dataclasses.asdict(g) for g in groups],
+        golden=_golden_record(golden),
+        timeout_s=options.timeout_s,
+        trace_cache=str(options.trace_cache) if options.trace_cache else None,
+    )
+
+
+def _golden_record(golden: GoldenPlan) -> dict:
+    """manifest.json's ``golden``: the plan with absolute paths, as ``harness collect`` reloads it."""
+    return {
+        "mode": golden.mode,
+        "path": str(golden.path),
+        "compared": str(golden.compared) if golden.compared else None,
+        "root": str(golden.root) if golden.root else None,
+        "tier": golden.tier,
+        "note": golden.note,
+    }
+
+
+@dataclass(frozen=True)
+class PreparedRun:
+    """A run directory whose manifest is written, and what launching and judging it need; made by
+    ``prepare_run`` before a launch, or read back from the run directory (``harness collect``)."""
+
+    run_dir: Path
+    suite: SuiteSpec
+    options: RunOptions
+    key: str
+    pin: CpuPin | None
+    golden: GoldenPlan
+    groups: list[LaunchGroup]
+    manifest: Manifest
+    phases: PhaseLog  # the harness process's own (phases.py): start and prepare so far
+
+
+def plan_groups(suite: SuiteSpec) -> list[LaunchGroup]:
+    """The launch groups of a suite, in the order they run."""
+    return plan_throughput_launches(suite) if suite.throughput else plan_launches(suite)
+
+
+def prepare_run(
+    suite: SuiteSpec, options: RunOptions, out: TextIO = sys.stdout, local_devices: bool = True
+) -> PreparedRun:
+    """Validates what can be validated before launching, then creates the run directory and writes
+    manifest.json. Raises UsageError or GoldenError (exit 2); nothing has run then.
+    ``local_devices``: the ranks run here, so this machine must have their GPUs (not so on Slurm)."""
+    began = time.time()
+    if local_devices:
+        check_device(suite, options.device)
+    pin = cpu_pin(options.cpu_isa) if options.device == "cpu" else None
+    key = run_env_key(options.device, suite_dtype(suite), pin)
+    if suite.throughput and options.golden == "update":
+        raise UsageError(f"suite {suite.name}: a throughput run records no golden")
+    golden = plan_golden(
+        suite.name,
+        golden_config(suite),
+        key,
+        "off" if suite.throughput else options.golden,
+        options.golden_dir,
+        suite.golden_cross_env,
+    )
+    if suite.throughput:
+        golden = dataclasses.replace(golden, note=None)  # nothing to say: step times have no golden
+    run_dir = make_run_dir(suite, options.out)
+    with harness_log(run_dir), Cancellation():
+        trace_cache, cache_note = usable_trace_cache(options.trace_cache, suite_subject(suite))
+        options = dataclasses.replace(options, trace_cache=trace_cache)
+        groups = plan_groups(suite)
+        manifest = build_manifest(suite, options, key, pin, golden, groups)
+        manifest.write(run_dir)
+        for line in filter(None, [pin.note if pin else None, golden.note, cache_note]):
+            print(line, file=out)
+            log.info(line)
+    phases = PhaseLog()
+    phases.add("start", harness.IMPORTED_AT, began)  # the interpreter's imports, the command line, the suite
+    phases.add("prepare", began, time.time())
+    return PreparedRun(run_dir, suite, options, key, pin, golden, groups, manifest, phases)
+
+
+def read_prepared(run_dir: Path, suite: SuiteSpec, options: RunOptions) -> PreparedRun:
+    """A prepared run read back from its manifest.json (``harness collect``), ``suite`` being the
+    suite loaded again: it must be the one the manifest recorded, or the judging would differ."""
+    try:
+        manifest = Manifest.read(run_dir)
+    except ManifestError as e:
+        raise UsageError(f"{run_dir}: not a readable run directory: {e}") from None
+    groups = plan_groups(suite)
+    recorded = _plain({**manifest.suite, "path": None})
+    if _plain({**suite.to_dict(), "path": None}) != recorded or _plain(
+        [dataclasses.asdict(g) for g in groups]
+    ) != _plain(manifest.launches):
+        raise UsageError(
+            f"{run_dir}: suite {suite.path} is not what the run recorded in manifest.json (changed since?)"
+        )
+    golden = manifest.golden
+    compared = golden["compared"]
+    recorded_golden = load_golden(Path(compared)) if compared else None
+    root = Path(golden["root"]) if golden["root"] else None
+    plan = GoldenPlan(golden["mode"], Path(golden["path"]), recorded_golden, golden["tier"], golden["note"], root)
+    pin = CpuPin(**manifest.cpu_isa) if manifest.cpu_isa else None
+    options = dataclasses.replace(options, device=manifest.device, command=tuple(manifest.command))
+    phases = PhaseLog()
+    phases.add("start", harness.IMPORTED_AT, time.time())
+    return PreparedRun(run_dir, suite, options, manifest.env_key, pin, plan, groups, manifest, phases)
+
+
+def _plain(value: object) -> object:
+    """``value`` as JSON reads it back (tuples become lists): to compare with a recorded one."""
+    return json.loads(json.dumps(value))
