@@ -13,7 +13,7 @@ import math
 import re
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import pandas as pd
@@ -21,6 +21,10 @@ import pandas as pd
 from harness.compare import CheckResult, Exact, Tier, compare_arms, compare_series, format_steps, tier_from_spec
 from harness.records import remove_stale_temps, write_json_atomic
 from harness.shipped import SOURCE_ROOT, in_checkout
+
+if TYPE_CHECKING:
+    from harness.manifest import Manifest
+    from harness.specs import SuiteSpec
 
 # 2: the configuration a golden was recorded for (steps, arms) is part of the file, so a run of
 # another configuration is refused or reported by name, never silently compared.
@@ -366,6 +370,37 @@ class GoldenPlan:
     def shown(self, path: Path) -> str:
         return shown_path(path, self.root or path.parent.parent)
 
+    def record(self) -> dict:
+        """manifest.json's ``golden``: the plan with absolute paths, as ``harness collect`` reloads it."""
+        return {
+            "mode": self.mode,
+            "path": str(self.path),
+            "compared": str(self.compared) if self.compared else None,
+            "root": str(self.root) if self.root else None,
+            "tier": self.tier,
+            "note": self.note,
+        }
+
+    @classmethod
+    def from_record(cls, record: dict) -> GoldenPlan:
+        """The plan :meth:`record` wrote, with the golden it compares with loaded again."""
+        compared = record["compared"]
+        root = Path(record["root"]) if record["root"] else None
+        golden = load_golden(Path(compared)) if compared else None
+        return cls(record["mode"], Path(record["path"]), golden, record["tier"], record["note"], root)
+
+    def summary(self, outcome: str | None) -> dict:
+        """summary.json's ``golden``: the plan announced before the run and the ``outcome`` judged
+        after it, with paths relative to the checkout or the golden root."""
+        return {
+            "mode": self.mode,
+            "path": self.shown(self.path),
+            "compared": self.shown(self.compared) if self.compared else None,
+            "tier": self.tier,
+            "plan": self.note,
+            "outcome": outcome,
+        }
+
     def outcome(self, checks: list[CheckResult]) -> str | None:
         """The golden line after judging, None when nothing was compared: "golden: 6 of 6 checks match
         golden/parity/<key>.json" or "golden: 2 of 6 checks differ from ...". Checks not evaluated
@@ -382,6 +417,36 @@ class GoldenPlan:
         if differ:
             return f"golden: {differ} of {len(judged)} checks differ from {where} ({how}){rest}"
         return f"golden: {len(judged)} of {len(judged)} checks match {where} ({how}){rest}"
+
+
+def golden_config(suite: SuiteSpec) -> dict:
+    """What a golden is recorded for: steps, and each arm's processes and the fields its subject
+    says it sets away from their defaults (``ArmSpec.golden_config``).
+
+    Non-default fields only: a field the subject adds later leaves goldens comparable, while a
+    changed default moves the numerics and shows up as a golden failure, as it should.
+    """
+    arms = {a.name: {"ranks": a.ranks, "config": a.golden_config} for a in suite.arms.values()}
+    return {"steps": suite.steps, "arms": arms}
+
+
+def update_golden(plan: GoldenPlan, suite: SuiteSpec, manifest: Manifest, metrics: dict[str, pd.DataFrame]) -> str:
+    """Writes the run's trajectories as the golden (atomically); returns the diff for the reviewer."""
+    provenance = {
+        "torch": manifest.versions["torch"],
+        "device": manifest.device_class,
+        "backend": manifest.backend,
+        "dtype": suite.dtype,
+        "harness": manifest.versions["harness"],
+        "git_sha": manifest.versions["git_sha"],
+        "date": manifest.created,
+    }
+    config = golden_config(suite)
+    new = golden_from_metrics(
+        suite.name, manifest.env_key, provenance, config, suite.golden_tier, metrics, suite.golden_metrics
+    )
+    write_golden(plan.path, new)
+    return "\n".join(filter(None, [plan.note, diff_summary(plan.golden, new), f"wrote {plan.shown(plan.path)}"]))
 
 
 def plan_golden(

@@ -13,17 +13,14 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 
-import pandas as pd
-
-from harness.cancel import Cancelled
+from harness.cancel import Cancelled, cancelled_check
 from harness.checks import run_check
 from harness.compare import CheckResult
 from harness.environment import CpuPin
-from harness.golden import GoldenPlan, diff_summary, golden_checks, golden_from_metrics, write_golden
+from harness.golden import GoldenPlan, golden_checks, update_golden
 from harness.launchers import LaunchGroup, LaunchResult
 from harness.launching import Launched
-from harness.manifest import Manifest
-from harness.prepare import PreparedRun, golden_config, suite_dtype
+from harness.prepare import PreparedRun
 from harness.records import ArmRecords
 from harness.specs import SuiteSpec
 from harness.throughput import judge_throughput
@@ -145,35 +142,3 @@ def collect_checks(
         checks.append(CheckResult("golden", "golden", "skip", golden.note or "not compared"))
     checks = mark_not_evaluated(checks, unrun_arms(suite, groups, launches, records))
     return [*failures, *apply_expectations(suite, checks)]
-
-
-def update_golden(plan: GoldenPlan, suite: SuiteSpec, manifest: Manifest, metrics: dict[str, pd.DataFrame]) -> str:
-    """Writes the run's trajectories as the golden (atomically); returns the diff for the reviewer."""
-    provenance = {
-        "torch": manifest.versions["torch"],
-        "device": manifest.device_class,
-        "backend": manifest.backend,
-        "dtype": suite_dtype(suite),
-        "harness": manifest.versions["harness"],
-        "git_sha": manifest.versions["git_sha"],
-        "date": manifest.created,
-    }
-    new = golden_from_metrics(
-        suite.name,
-        manifest.env_key,
-        provenance,
-        golden_config(suite),
-        suite.golden_tier,
-        metrics,
-        suite.golden_metrics,
-    )
-    write_golden(plan.path, new)
-    return "\n".join(filter(None, [plan.note, diff_summary(plan.golden, new), f"wrote {plan.shown(plan.path)}"]))
-
-
-def cancelled_check(cancelled: Cancelled, elapsed_s: float) -> CheckResult:
-    detail = (
-        f"{cancelled}: the run stopped after {elapsed_s:.1f} s; every step recorded until then is"
-        " kept under arms/ (summary.arms says how many)"
-    )
-    return CheckResult("cancelled", "cancelled", "error", detail)

@@ -18,8 +18,9 @@ from typing import TextIO
 from harness.cancel import Cancelled
 from harness.launchers import GroupLauncher, LaunchContext, LaunchResult
 from harness.phases import cache_notes, read_rank_phases
-from harness.prepare import PreparedRun, suite_subject
+from harness.prepare import PreparedRun
 from harness.progress import BlockProgress, Progress
+from harness.subject import subject_of
 
 log = logging.getLogger("harness")
 
@@ -69,7 +70,7 @@ def _launch_groups(run: PreparedRun, launch: GroupLauncher, out: TextIO) -> Iter
         progress = Progress(run.run_dir, arms, suite.steps, out, options.verbose)
     deadline = time.monotonic() + options.timeout_s
     env = run.pin.env if run.pin else {}
-    source = suite_subject(suite).source
+    source = subject_of(suite).source
     context = LaunchContext(run.run_dir, deadline, options.timeout_s, env, progress.tick, source)
     try:
         for group in run.groups:

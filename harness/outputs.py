@@ -18,10 +18,10 @@ from typing import Any, TextIO
 
 import pandas as pd
 
-from harness.cancel import Cancelled
+from harness.cancel import Cancelled, cancelled_check
 from harness.compare import CheckResult
-from harness.golden import Golden, GoldenError, GoldenPlan, load_golden
-from harness.judge import Judgement, cancelled_check
+from harness.golden import Golden, GoldenError, load_golden
+from harness.judge import Judgement
 from harness.launchers import LaunchResult
 from harness.launching import Launched
 from harness.manifest import Manifest, ManifestError
@@ -109,26 +109,13 @@ def build_summary(run: PreparedRun, launched: Launched, records: dict[str, ArmRe
         arms=arms,
         duration_s=round(launched.elapsed_s(), 3),
         env_key=run.key,
-        golden=_golden_summary(run.golden, judged),
+        golden=run.golden.summary(judged.golden_outcome),
         launches=[_launch_summary(r) for r in launched.results],
         error="\n".join(r.error for r in launched.results if r.error) or None,
         counts=status_counts(checks),
         checks=checks,
         throughput=next((c.extra["throughput"] for c in judged.checks if c.kind == "throughput"), None),
     )
-
-
-def _golden_summary(golden: GoldenPlan, judged: Judgement) -> dict:
-    """summary.json's ``golden``: the plan announced before the run and the outcome judged after it,
-    with paths relative to the checkout or the golden root."""
-    return {
-        "mode": golden.mode,
-        "path": golden.shown(golden.path),
-        "compared": golden.shown(golden.compared) if golden.compared else None,
-        "tier": golden.tier,
-        "plan": golden.note,
-        "outcome": judged.golden_outcome,
-    }
 
 
 def _launch_summary(result: LaunchResult) -> dict:

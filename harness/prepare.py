@@ -24,7 +24,7 @@ import torch
 import harness
 from harness.cancel import Cancellation
 from harness.environment import CpuPin, backend_for, cpu_pin, device_class, run_env_key, versions
-from harness.golden import GoldenPlan, load_golden, plan_golden
+from harness.golden import GoldenPlan, golden_config, plan_golden
 from harness.launchers import LaunchGroup, plan_launches
 from harness.manifest import Manifest, ManifestError
 from harness.phases import PhaseLog
@@ -32,7 +32,7 @@ from harness.records import QuietFileHandler
 from harness.rundir import HARNESS_LOG, LOGS_DIR
 from harness.shipped import shipped_dir
 from harness.specs import SuiteSpec
-from harness.subject import Subject, load_subject
+from harness.subject import Subject, subject_of
 from harness.throughput import plan_throughput_launches
 
 # Run directories go under ./reports of the working directory: never into an installed package.
@@ -85,25 +85,6 @@ def usable_trace_cache(path: Path | None, subject: Subject) -> tuple[Path | None
     problem = getattr(subject, "cache_problem", None)
     why = problem(path) if path is not None and problem is not None else None
     return (None, why) if why else (path, None)
-
-
-def suite_subject(suite: SuiteSpec) -> Subject:
-    """The suite's system under test (harness/subject/)."""
-    return load_subject(suite.subject, suite.path.resolve().parent)
-
-
-def suite_dtype(suite: SuiteSpec) -> str:
-    return "+".join(sorted({arm.dtype for arm in suite.arms.values()}))
-
-
-def golden_config(suite: SuiteSpec) -> dict:
-    """What a golden is recorded for: steps, and each arm's processes and non-default fields.
-
-    Non-default fields only: a field the reference adds later leaves goldens comparable, while a
-    changed default moves the numerics and shows up as a golden failure, as it should.
-    """
-    arms = {a.name: {"ranks": a.ranks, "config": a.golden_config} for a in suite.arms.values()}
-    return {"steps": suite.steps, "arms": arms}
 
 
 def check_device(suite: SuiteSpec, device: str) -> None:
@@ -175,22 +156,10 @@ def build_manifest(
         env_key=key,
         golden_config=golden_config(suite),
         launches=[dataclasses.asdict(g) for g in groups],
-        golden=_golden_record(golden),
+        golden=golden.record(),
         timeout_s=options.timeout_s,
         trace_cache=str(options.trace_cache) if options.trace_cache else None,
     )
-
-
-def _golden_record(golden: GoldenPlan) -> dict:
-    """manifest.json's ``golden``: the plan with absolute paths, as ``harness collect`` reloads it."""
-    return {
-        "mode": golden.mode,
-        "path": str(golden.path),
-        "compared": str(golden.compared) if golden.compared else None,
-        "root": str(golden.root) if golden.root else None,
-        "tier": golden.tier,
-        "note": golden.note,
-    }
 
 
 @dataclass(frozen=True)
@@ -224,7 +193,7 @@ def prepare_run(
     if local_devices:
         check_device(suite, options.device)
     pin = cpu_pin(options.cpu_isa) if options.device == "cpu" else None
-    key = run_env_key(options.device, suite_dtype(suite), pin)
+    key = run_env_key(options.device, suite.dtype, pin)
     if suite.throughput and options.golden == "update":
         raise UsageError(f"suite {suite.name}: a throughput run records no golden")
     golden = plan_golden(
@@ -239,7 +208,7 @@ def prepare_run(
         golden = dataclasses.replace(golden, note=None)  # nothing to say: step times have no golden
     run_dir = make_run_dir(suite, options.out)
     with harness_log(run_dir), Cancellation():
-        trace_cache, cache_note = usable_trace_cache(options.trace_cache, suite_subject(suite))
+        trace_cache, cache_note = usable_trace_cache(options.trace_cache, subject_of(suite))
         options = dataclasses.replace(options, trace_cache=trace_cache)
         groups = plan_groups(suite)
         manifest = build_manifest(suite, options, key, pin, golden, groups)
@@ -268,11 +237,7 @@ def read_prepared(run_dir: Path, suite: SuiteSpec, options: RunOptions) -> Prepa
         raise UsageError(
             f"{run_dir}: suite {suite.path} is not what the run recorded in manifest.json (changed since?)"
         )
-    golden = manifest.golden
-    compared = golden["compared"]
-    recorded_golden = load_golden(Path(compared)) if compared else None
-    root = Path(golden["root"]) if golden["root"] else None
-    plan = GoldenPlan(golden["mode"], Path(golden["path"]), recorded_golden, golden["tier"], golden["note"], root)
+    plan = GoldenPlan.from_record(manifest.golden)
     pin = CpuPin(**manifest.cpu_isa) if manifest.cpu_isa else None
     options = dataclasses.replace(options, device=manifest.device, command=tuple(manifest.command))
     phases = PhaseLog()

@@ -43,6 +43,10 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+
+# Before any process group exists, for every subject: imported later (torch.use_deterministic_algorithms
+# does, through torch._inductor.config), it would pin the default group (README, Known issues).
+import torch.distributed.nn.functional  # noqa: F401
 from torch.distributed.elastic.multiprocessing.errors import ErrorHandler, record
 
 import harness
@@ -401,8 +405,7 @@ def main(argv: list[str]) -> None:
     run_dir, group_name = Path(argv[0]), argv[1]
     manifest = json.loads((run_dir / MANIFEST).read_text())
     suite = manifest["suite"]
-    # The subject's modules are imports too: loaded before any process group exists (see
-    # the reference's train.py on torch.distributed.nn.functional).
+    # The subject's modules are imports too, loaded before any process group exists.
     subject = load_subject(suite["subject"], Path(suite["path"]).resolve().parent)
     entered = time.time()  # the imports (phases.py) end here
     # The imports made a few hundred thousand objects that live as long as the rank; frozen, they

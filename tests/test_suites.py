@@ -7,9 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from harness.golden import config_differences
+from harness.golden import config_differences, golden_config
 from harness.launchers import plan_launches
-from harness.prepare import golden_config
 from harness.suites import SuiteError, list_suites, load_suite
 
 GOOD = """

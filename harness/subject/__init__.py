@@ -16,15 +16,24 @@ import importlib.metadata
 import re
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from harness.subject.protocol import Subject, SubjectError
+
+if TYPE_CHECKING:
+    from harness.specs import SuiteSpec
 
 DEFAULT = "reference"
 ENTRY_POINT_GROUP = "harness.subjects"
 BUILTIN = {DEFAULT: "harness.subject.reference:subject"}
 _TARGET = re.compile(r"[A-Za-z_][\w.]*:[A-Za-z_]\w*")
 
-__all__ = ["DEFAULT", "ENTRY_POINT_GROUP", "Subject", "SubjectError", "load_subject"]
+__all__ = ["DEFAULT", "ENTRY_POINT_GROUP", "Subject", "SubjectError", "load_subject", "subject_of"]
+
+
+def subject_of(suite: SuiteSpec) -> Subject:
+    """The system under test a validated suite names."""
+    return load_subject(suite.subject, suite.subject_dir)
 
 
 @functools.cache
