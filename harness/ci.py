@@ -44,12 +44,12 @@ from typing import TextIO
 
 from harness.cancel import Cancellation, Cancelled
 from harness.golden import GoldenError
-from harness.prepare import REPORTS_DIR, RunOptions, UsageError, check_device, harness_log
+from harness.prepare import REPORTS_DIR, RunOptions, UsageError, check_device, fresh_dir, harness_log
 from harness.records import write_json_atomic
 from harness.report.html import write_ci_index
 from harness.report.junit import junit_testsuite, read_testsuites, write_merged_junit
 from harness.run import run_suite
-from harness.rundir import HARNESS_LOG, JUNIT, LOGS_DIR, REPORT, SUMMARY
+from harness.rundir import HARNESS_LOG, JUNIT, REPORT, SUMMARY
 from harness.specs import SuiteSpec
 from harness.verdict import EXIT_FAIL, EXIT_INCONCLUSIVE, EXIT_INFRA, EXIT_PASS, EXIT_USAGE
 
@@ -122,15 +122,9 @@ class SuiteOutcome:
 
 def make_gate_dir(out: Path | None) -> Path:
     """``--out DIR`` (new or empty), else reports/ci/<UTC timestamp>."""
-    path = out or REPORTS_DIR / "ci" / datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%SZ")
-    if path.exists() and (not path.is_dir() or any(path.iterdir())):
-        raise UsageError(f"--out {path}: exists and is not an empty directory")
-    try:
-        path.mkdir(parents=True, exist_ok=True)
-        (path / LOGS_DIR).mkdir()
-    except OSError as e:
-        raise UsageError(f"--out {path}: cannot create the gate directory: {e.strerror}") from None
-    return path
+    return fresh_dir(
+        out or REPORTS_DIR / "ci" / datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%SZ"), "gate directory"
+    )
 
 
 def check_gate(suites: list[SuiteSpec], options: RunOptions, retries: int) -> None:

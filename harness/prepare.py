@@ -96,17 +96,22 @@ def check_device(suite: SuiteSpec, device: str) -> None:
         raise UsageError(f"--device cuda: suite {suite.name} needs {needed} GPUs (one per rank), {have} visible")
 
 
+def fresh_dir(path: Path, what: str) -> Path:
+    """``--out DIR``: a new or empty directory, made with its ``logs/``; else exit 2 naming it."""
+    if path.exists() and (not path.is_dir() or any(path.iterdir())):
+        raise UsageError(f"--out {path}: exists and is not an empty directory")
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        (path / LOGS_DIR).mkdir()
+    except OSError as e:
+        raise UsageError(f"--out {path}: cannot create the {what}: {e.strerror}") from None
+    return path
+
+
 def make_run_dir(suite: SuiteSpec, out: Path | None) -> Path:
     """``--out DIR`` (new or empty), else ./reports/<suite>/<UTC timestamp>[-n], never reused."""
     if out is not None:
-        if out.exists() and (not out.is_dir() or any(out.iterdir())):
-            raise UsageError(f"--out {out}: exists and is not an empty directory")
-        try:
-            out.mkdir(parents=True, exist_ok=True)
-            (out / LOGS_DIR).mkdir()
-        except OSError as e:
-            raise UsageError(f"--out {out}: cannot create the run directory: {e.strerror}") from None
-        return out
+        return fresh_dir(out, "run directory")
     stamp = datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%SZ")
     base = REPORTS_DIR.absolute() / suite.name
     try:
