@@ -22,6 +22,7 @@ import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
@@ -30,6 +31,10 @@ import torch.nn.functional as F
 
 from harness.subject import protocol
 from harness.subject.config import dataclass_arms
+
+if TYPE_CHECKING:
+    from harness.checks.registry import SuiteReader
+    from harness.specs import ArmSpec
 
 SYNCS = ("bucket", "per-parameter")
 FAULTS = ("none", "unsynced-bias")
@@ -162,7 +167,7 @@ class TinyDP:
     source = (Path(__file__).resolve(),)
     train_fields = {f: type(v) for f, v in TinyConfig().__dict__.items()}
 
-    def parse_arms(self, tables: protocol.SuiteTables, reader: object) -> dict:
+    def parse_arms(self, tables: protocol.SuiteTables, reader: SuiteReader) -> dict[str, ArmSpec]:
         positive = ("vocab", "hidden", "layers", "local_batch", "seq_len", "lr", "max_norm")
         return dataclass_arms(tables, reader, TinyConfig, self.families, positive, subject=f'subject "{self.name}"')
 
