@@ -137,15 +137,28 @@ def _die_with_parent() -> None:
         os._exit(1)
 
 
+def cuda_device_index(local_rank: int, visible: int) -> int:
+    """The GPU a rank drives: its local rank among the GPUs it sees, or the only one it sees where the
+    cluster gives each task its own (Slurm's per-task CUDA_VISIBLE_DEVICES). Anything else is one
+    line naming the rank's LOCAL_RANK and what it sees."""
+    if visible < 1:
+        raise RuntimeError(f"LOCAL_RANK {local_rank}: no GPU visible (CUDA_VISIBLE_DEVICES)")
+    if visible == 1:
+        return 0
+    if local_rank >= visible:
+        raise RuntimeError(f"LOCAL_RANK {local_rank}: only {visible} GPUs visible (CUDA_VISIBLE_DEVICES)")
+    return local_rank
+
+
 def _init_process_group(device: str, backend: str) -> None:
     torch.set_num_threads(1)
     if device == "cuda":
         # Deterministic cuBLAS and kernels: exact comparisons are the point of the harness.
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
         torch.use_deterministic_algorithms(True)
-        local_rank = int(os.environ["LOCAL_RANK"])
-        torch.cuda.set_device(local_rank)
-        dist.init_process_group(backend, device_id=torch.device("cuda", local_rank))
+        index = cuda_device_index(int(os.environ["LOCAL_RANK"]), torch.cuda.device_count())
+        torch.cuda.set_device(index)  # the subject builds on torch.cuda.current_device()
+        dist.init_process_group(backend, device_id=torch.device("cuda", index))
     else:
         dist.init_process_group(backend)
 

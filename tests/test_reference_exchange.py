@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
 
 import torch
 from torch.fx.experimental.proxy_tensor import make_fx
@@ -12,8 +13,8 @@ from harness.reference.chunking.schedule import EPScheduler
 from harness.reference.ep import ops
 from harness.reference.ep.exchange import TokenExchange, bind
 from harness.reference.ep.group import LogicalGroup
-from harness.reference.model import DeepseekV3ForCausalLM, get_config
-from harness.reference.train import TrainConfig, Trainer
+from harness.reference.model import DeepseekV3ForCausalLM, causal_lm_loss, get_config
+from harness.reference.train import TrainConfig, Trainer, synthetic_batch
 
 
 def test_forced_balanced_routing_gives_every_expert_the_same_count() -> None:
@@ -146,3 +147,30 @@ def test_bfloat16_training_tracks_float32() -> None:
     bf16, fp32 = first_losses("bfloat16"), first_losses("float32")
     assert bf16 != fp32  # really computed in bf16
     assert all(abs(a - b) / b < 2e-2 for a, b in zip(bf16, fp32))
+
+
+def test_backward_on_a_thread_that_did_not_run_the_forward_finds_the_exchange() -> None:
+    """On CUDA, autograd runs the backward of CUDA ops on its own device thread, where nothing is
+    bound; CPU shows the same when backward is called from another thread. The exchange must travel
+    with the autograd graph, and the gradients must be the ones the forward's thread computes."""
+    events: list[dict] = []
+    trainer = Trainer(TrainConfig(ep=1), event_sink=lambda rank, e: events.append(e))
+    replica = trainer.replicas[0]
+    inputs, labels = synthetic_batch(trainer.config, trainer.cfg.vocab_size, 1, 0)
+
+    def grads_after(backward_elsewhere: bool) -> dict[str, torch.Tensor]:
+        replica.optimizer.zero_grad(set_to_none=True)
+        with bind(replica.exchange):
+            loss = causal_lm_loss(replica.model(inputs), labels)
+            if not backward_elsewhere:
+                loss.backward()
+        if backward_elsewhere:
+            with ThreadPoolExecutor(1) as pool:
+                pool.submit(loss.backward).result()  # raises here if the exchange is not found
+        return {n: p.grad.clone() for n, p in replica.model.named_parameters() if p.grad is not None}
+
+    elsewhere = grads_after(backward_elsewhere=True)
+    assert any(e["phase"] == "bwd" and e["op"] == "launch" for e in events)
+    here = grads_after(backward_elsewhere=False)
+    assert elsewhere.keys() == here.keys() and all(torch.equal(elsewhere[n], here[n]) for n in here)
+    trainer.close()

@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import threading
 
 import pytest
 import torch
 from distributed import run_on_ranks
 
-from harness.reference.train import TrainConfig, Trainer
+from harness.reference.chunking.trace_cache import GraphCache
+from harness.reference.train import TrainConfig, Trainer, accelerator_identity
 
 
 def trajectory(config: TrainConfig, steps: int) -> dict:
@@ -66,3 +68,34 @@ def test_cli_prints_identical_output_for_two_and_one_process() -> None:
     two, one = run(2), run(1)
     assert len(one.splitlines()) == 5
     assert two == one
+
+
+def test_a_logical_ranks_pool_thread_drives_its_processes_gpu(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A new thread's current GPU is cuda:0: without selecting it, the logical ranks of a process with
+    LOCAL_RANK 1 would allocate on another process's GPU. Shown on CPU through the selection call."""
+    trainer = Trainer(TrainConfig(ep=2))  # two logical ranks: two pool threads
+    selected: list[tuple[int, torch.device]] = []
+    monkeypatch.setattr(torch.cuda, "set_device", lambda d: selected.append((threading.get_ident(), d)))
+    trainer.device = torch.device("cuda", 1)
+    trainer._on_every_rank(lambda rank: (0.0, 0.0))
+    assert sorted(d.index for _, d in selected) == [1, 1]
+    assert threading.get_ident() not in dict(selected)  # on the pool's threads, each time a rank starts
+    trainer.close()
+
+
+def test_the_trace_cache_key_names_the_gpu_model_and_its_compute_capability(
+    monkeypatch: pytest.MonkeyPatch, tmp_path
+) -> None:
+    """The attention backend is fixed into a traced graph: a graph traced on one GPU model must not be
+    loaded on another at the same device index."""
+    gpus = {"H200": (9, 0), "A100": (8, 0)}
+    identities = {}
+    for name, capability in gpus.items():
+        monkeypatch.setattr(torch.cuda, "get_device_name", lambda device, name=name: f"NVIDIA {name}")
+        monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device, c=capability: c)
+        identities[name] = accelerator_identity(torch.device("cuda", 0))
+    assert identities["H200"] == {"name": "NVIDIA H200", "capability": [9, 0]}
+    cache = GraphCache(tmp_path)
+    slots = {name: cache.slot(device="cuda:0", accelerator=identity).path for name, identity in identities.items()}
+    assert slots["H200"] != slots["A100"]
+    assert accelerator_identity(torch.device("cpu")) is None

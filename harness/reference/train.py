@@ -124,6 +124,22 @@ def set_determinism(device: str) -> None:
     torch.use_deterministic_algorithms(True)
 
 
+def enter_rank_thread(device: torch.device) -> None:
+    """Called first on a logical rank's pool thread: a new thread's current GPU is cuda:0, whatever
+    its process drives, so a rank hosted by a process with LOCAL_RANK >= 1 would allocate there."""
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+
+
+def accelerator_identity(device: torch.device) -> dict | None:
+    """What a traced graph depends on beyond the device index (its trace cache key): the GPU model
+    and compute capability, since the attention backend is fixed into the graph at trace time; None
+    on the CPU, whose kernel ISA the harness pins."""
+    if device.type != "cuda":
+        return None
+    return {"name": torch.cuda.get_device_name(device), "capability": list(torch.cuda.get_device_capability(device))}
+
+
 def synthetic_batch(config: TrainConfig, vocab: int, step: int, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
     """A learnable stream (each row counts up by its own stride), seeded by (seed, step, rank)."""
     gen = torch.Generator().manual_seed(config.seed * 1_000_003 + step * 8_191 + rank)
@@ -240,9 +256,11 @@ class Trainer:
         where a subclass swaps in a module of its own (PEC's sharded embedding)."""
 
     def _device(self) -> torch.device:
+        """The process's current GPU, as its launcher set it (the harness's rank: by LOCAL_RANK among
+        the visible GPUs), or the CPU."""
         if self.config.device != "cuda":
             return torch.device("cpu")
-        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)) % torch.cuda.device_count())
+        return torch.device("cuda", torch.cuda.current_device())
 
     def _build_graph_step(self) -> GraphStep:
         """Traced once, from the first local replica (or loaded from the trace cache); every replica
@@ -264,7 +282,12 @@ class Trainer:
         cache = None
         if self.trace_cache is not None:
             trainer = f"{type(self).__module__}.{type(self).__qualname__}"
-            identity = {"config": asdict(config), "rank": rank, "device": str(self.device)}
+            identity = {
+                "config": asdict(config),
+                "rank": rank,
+                "device": str(self.device),
+                "accelerator": accelerator_identity(self.device),
+            }
             cache = self.trace_cache.slot(trainer=trainer, **identity)
         return build_graph_step(
             self.replicas[rank].model,
@@ -310,6 +333,7 @@ class Trainer:
             return {r: fn(r) for r in self.logical_ranks}
 
         def guarded(rank: int) -> tuple[float, float]:
+            enter_rank_thread(self.device)
             # Backward of CUDA ops must stay on this thread, or the logical ranks' exchanges
             # would queue behind each other on autograd's single device thread.
             with torch.autograd.set_multithreading_enabled(False):
@@ -386,6 +410,8 @@ class Trainer:
 def print_trajectory(config: TrainConfig, steps: int, timing: bool = False) -> None:
     """Train for ``steps`` and print ``{step, loss, grad_norm}`` JSON lines (exact floats) on rank 0."""
     fields = ("step", "loss", "grad_norm", "step_time_s") if timing else ("step", "loss", "grad_norm")
+    if config.device == "cuda":  # one GPU per local rank, or the one a task sees
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)) % torch.cuda.device_count())
     if "RANK" in os.environ:
         dist.init_process_group("gloo" if config.device == "cpu" else "nccl")
     trainer = Trainer(config)

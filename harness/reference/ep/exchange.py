@@ -1,7 +1,9 @@
 """Token exchange state of one logical EP rank: receive buffer sets, exchanges in flight, events.
 
 The custom ops in :mod:`harness.reference.ep.ops` carry only tensors and ints, so they find the
-exchange of the logical rank that runs them through a thread-local binding (:func:`bind`).
+exchange of the logical rank that runs them through a thread-local binding (:func:`bind`). Their
+backward finds it on the autograd graph instead (saved by the forward): autograd may run a
+backward on a thread of its own, which has no binding (on CUDA, its per-device worker thread).
 
 Buffer sets behave like MinimalAsyncEP's symmetric-memory buffers: an exchange lands in the
 receive pool of its ``buffer_set`` and a wait reads that pool. Two exchanges in flight on one
@@ -27,8 +29,13 @@ POOL_OF = {"dispatch": "dispatch", "dispatch_data": "dispatch", "combine": "comb
 _local = threading.local()
 
 
+def bound_exchange() -> "TokenExchange | None":
+    """The exchange bound to this thread, or None (tracing with fake tensors binds none)."""
+    return getattr(_local, "exchange", None)
+
+
 def current_exchange() -> "TokenExchange":
-    exchange = getattr(_local, "exchange", None)
+    exchange = bound_exchange()
     if exchange is None:
         raise RuntimeError("no token exchange bound to this thread; run the model under ep.exchange.bind()")
     return exchange

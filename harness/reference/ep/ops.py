@@ -12,11 +12,13 @@ through. All ops are registered as side-effecting, so FX dead-code elimination k
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 from torch import Tensor
 from torch.fx.node import has_side_effect
 
-from harness.reference.ep.exchange import current_exchange, current_region, region
+from harness.reference.ep.exchange import bind, bound_exchange, current_exchange, current_region, region
 
 NAMESPACE = "harness_ep"
 LAUNCH_OPS = ("dispatch", "dispatch_data", "combine", "combine_data")
@@ -70,13 +72,16 @@ def _save_launch_context(ctx, inputs, output) -> None:
     x, ctx.send_counts, ctx.recv_counts, _, ctx.buffer_set = inputs
     ctx.send_rows = x.shape[0]
     ctx.region = current_region()
+    # The exchange travels with the graph, not with the thread: the backward may run elsewhere.
+    ctx.exchange = bound_exchange()
 
 
 def _reverse_backward(name: str):
     reverse = REVERSE[name]
 
     def backward(ctx, grad: Tensor):
-        with region(**{**ctx.region, "phase": "bwd"}):
+        binding = bind(ctx.exchange) if ctx.exchange is not None else contextlib.nullcontext()
+        with binding, region(**{**ctx.region, "phase": "bwd"}):
             pending = _launch[reverse](
                 grad.contiguous(), ctx.recv_counts, ctx.send_counts, ctx.send_rows, ctx.buffer_set
             )
