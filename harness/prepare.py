@@ -145,8 +145,15 @@ def harness_log(run_dir: Path) -> Iterator[Path]:
 
 
 def build_manifest(
-    suite: SuiteSpec, options: RunOptions, key: str, pin: CpuPin | None, golden: GoldenPlan, groups: list[LaunchGroup]
+    suite: SuiteSpec,
+    options: RunOptions,
+    key: str,
+    pin: CpuPin | None,
+    golden: GoldenPlan,
+    config: dict,
+    groups: list[LaunchGroup],
 ) -> Manifest:
+    """The run's manifest; ``config`` is what its golden is recorded for (golden_config)."""
     return Manifest(
         command=list(options.command),
         created=datetime.now(timezone.utc).isoformat(timespec="seconds"),
@@ -159,7 +166,7 @@ def build_manifest(
         ranks=suite.ranks,
         seed=sorted({arm.seed for arm in suite.arms.values()}),
         env_key=key,
-        golden_config=golden_config(suite),
+        golden_config=config,
         launches=[dataclasses.asdict(g) for g in groups],
         golden=golden.record(),
         timeout_s=options.timeout_s,
@@ -201,9 +208,10 @@ def prepare_run(
     key = run_env_key(options.device, suite.dtype, pin)
     if suite.throughput and options.golden == "update":
         raise UsageError(f"suite {suite.name}: a throughput run records no golden")
+    config = golden_config(suite)
     golden = plan_golden(
         suite.name,
-        golden_config(suite),
+        config,
         key,
         "off" if suite.throughput else options.golden,
         options.golden_dir,
@@ -216,7 +224,7 @@ def prepare_run(
         trace_cache, cache_note = usable_trace_cache(options.trace_cache, subject_of(suite))
         options = dataclasses.replace(options, trace_cache=trace_cache)
         groups = plan_groups(suite)
-        manifest = build_manifest(suite, options, key, pin, golden, groups)
+        manifest = build_manifest(suite, options, key, pin, golden, config, groups)
         manifest.write(run_dir)
         for line in filter(None, [pin.note if pin else None, golden.note, cache_note]):
             print(line, file=out)
