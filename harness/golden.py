@@ -11,14 +11,14 @@ from __future__ import annotations
 import json
 import math
 import re
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import pandas as pd
 
-from harness.compare import CheckResult, Exact, Tier, compare_arms, compare_series, format_steps, tier_from_spec
+from harness.compare import CheckResult, Exact, compare_series, format_steps, tier_from_spec
 from harness.records import remove_stale_temps, write_json_atomic
 from harness.shipped import SOURCE_ROOT, in_checkout
 
@@ -232,25 +232,6 @@ def write_golden(path: Path, golden: Golden) -> None:
         raise ValueError(f"{path}: file name must be {golden.env_key}.json to match the golden's env_key")
     remove_stale_temps(path)
     write_json_atomic(path, golden.to_dict())
-
-
-def compare_to_golden(golden: Golden, metrics: dict[str, pd.DataFrame], tier: Tier) -> list[CheckResult]:
-    """One check per (arm, metric) in the golden, named "golden:<arm>:<metric>"; an arm either lacks fails."""
-    results = []
-    for arm, trajectories in golden.arms.items():
-        for metric, expected in trajectories.items():
-            name = f"golden:{arm}:{metric}"
-            if arm not in metrics:
-                results.append(
-                    CheckResult(name, tier.kind, "fail", f"arm '{arm}' is in the golden but not in this run")
-                )
-                continue
-            results.append(compare_arms(name, metrics[arm], expected.to_frame(metric), metric, tier, arm, "golden"))
-    for arm in sorted(metrics.keys() - golden.arms.keys()):
-        results.append(
-            CheckResult(f"golden:{arm}", tier.kind, "fail", f"no golden for arm '{arm}' in {golden.env_key}")
-        )
-    return results
 
 
 def _identical(a: pd.Series, b: pd.Series) -> bool:
@@ -505,21 +486,3 @@ def _load_for(path: Path, suite: str) -> Golden:
     if golden.suite != suite:
         raise GoldenError(path, "suite", f"golden is for suite {golden.suite!r}, not {suite!r}")
     return golden
-
-
-def golden_checks(plan: GoldenPlan, metrics: dict[str, pd.DataFrame], steps: int) -> list[CheckResult]:
-    """Compares the run with the planned golden on the run's steps; a cross-environment comparison
-    says which golden and tier in every detail."""
-    golden = plan.golden
-    trimmed = Golden(
-        golden.suite, golden.env_key, golden.provenance, golden.config, golden.tier,
-        {arm: {m: s[s.index <= steps] for m, s in ms.items()} for arm, ms in golden.arms.items()},
-    )  # fmt: skip
-    results = [
-        # Named "golden:<arm>[:<metric>]"; grouped as golden checks in the report, whatever their tier.
-        replace(r, kind="golden", arms=[r.name.split(":")[1]])
-        for r in compare_to_golden(trimmed, metrics, tier_from_spec(plan.tier))
-    ]
-    if not plan.cross_env:
-        return results
-    return [replace(r, detail=f"cross-environment vs {golden.env_key}: {r.detail}") for r in results]

@@ -2,28 +2,32 @@
 
 In order: each failed launch group (a rank that raised from the system under test is a
 regression, anything else infrastructure: triage.py), the records themselves (unreadable, short,
-or off the pinned kernel ISA), the suite's [[checks]] through their families (harness/checks/), and
-the golden; a throughput run has its ABBA gate instead. Checks of arms that never ran are not
-evaluated; a negative suite's expected failures are marked as such (verdict.py). Then the verdict,
-the exit code, and, for ``--golden update`` of a run that passed, the new golden.
+or off the pinned kernel ISA), then every check through its family (harness/checks/): the suite's
+[[checks]] and the golden's, which no suite lists; a throughput run has its ABBA gate instead.
+Checks of arms that never ran are not evaluated; a negative suite's expected failures are marked
+as such (verdict.py). Then the verdict, the exit code, and, for ``--golden update`` of a run that
+passed, the new golden.
 """
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 from harness.cancel import Cancelled, cancelled_check
 from harness.checks import run_check
+from harness.checks.golden import golden_check
+from harness.checks.throughput import gate_check
 from harness.compare import CheckResult
 from harness.environment import CpuPin
-from harness.golden import GoldenPlan, golden_checks, update_golden
+from harness.golden import GoldenPlan, update_golden
 from harness.launchers import LaunchGroup, LaunchResult
 from harness.launching import Launched
 from harness.prepare import PreparedRun
-from harness.records import ArmRecords
+from harness.records import ArmRecords, RunRecords
 from harness.specs import SuiteSpec
-from harness.throughput import judge_throughput
+from harness.throughput import separate_launches
 from harness.triage import REGRESSION
 from harness.verdict import EXIT_PASS, apply_expectations, mark_not_evaluated, unrun_arms, verdict_of
 
@@ -42,7 +46,7 @@ class Judgement:
     golden_news: str | None
 
 
-def judge(run: PreparedRun, launched: Launched, records: dict[str, ArmRecords]) -> Judgement:
+def judge(run: PreparedRun, launched: Launched, records: RunRecords) -> Judgement:
     """The checks of what ``launched`` left, the verdict, and the golden update where one is asked
     for and the run passed. A signal while judging cancels the run (its checks are then unknown);
     an error of the harness is one internal-error check."""
@@ -75,11 +79,12 @@ def judge(run: PreparedRun, launched: Launched, records: dict[str, ArmRecords]) 
     return Judgement(checks, verdict, exit_code, news.splitlines()[-1] if news else None, news)
 
 
-def _checks(run: PreparedRun, launched: Launched, records: dict[str, ArmRecords]) -> list[CheckResult]:
+def _checks(run: PreparedRun, launched: Launched, records: RunRecords) -> list[CheckResult]:
     if launched.internal_error:
         return [CheckResult("harness", "internal-error", "error", launched.internal_error)]
     if run.suite.throughput:
-        return [*launch_checks(launched.results), judge_throughput(run.suite, run.run_dir, run.groups)]
+        gate = gate_check(run.suite.throughput, separate_launches(run.groups))
+        return [*launch_checks(launched.results), *run_check(gate, run.suite, records)]
     return collect_checks(run.suite, run.groups, launched.results, records, run.golden, run.pin)
 
 
@@ -102,7 +107,7 @@ def launch_checks(launches: list[LaunchResult]) -> list[CheckResult]:
 
 
 def record_checks(
-    suite: SuiteSpec, records: dict[str, ArmRecords], pin: CpuPin | None, crashed: bool
+    suite: SuiteSpec, records: Mapping[str, ArmRecords], pin: CpuPin | None, crashed: bool
 ) -> list[CheckResult]:
     """Unreadable records, arms that stopped short though no rank failed, and ranks that did not
     run on the pinned kernel ISA."""
@@ -125,7 +130,7 @@ def collect_checks(
     suite: SuiteSpec,
     groups: list[LaunchGroup],
     launches: list[LaunchResult],
-    records: dict[str, ArmRecords],
+    records: RunRecords,
     golden: GoldenPlan,
     pin: CpuPin | None,
 ) -> list[CheckResult]:
@@ -134,11 +139,7 @@ def collect_checks(
     failed launch never ran is not evaluated (verdict.py)."""
     failures = launch_checks(launches)
     checks = record_checks(suite, records, pin, crashed=bool(failures))
-    for check in suite.checks:
+    for check in filter(None, [*suite.checks, golden_check(golden, suite)]):
         checks += run_check(check, suite, records)
-    if golden.mode == "check":
-        checks += golden_checks(golden, {arm: rec.metrics for arm, rec in records.items()}, suite.steps)
-    elif golden.mode == "off":
-        checks.append(CheckResult("golden", "golden", "skip", golden.note or "not compared"))
     checks = mark_not_evaluated(checks, unrun_arms(suite, groups, launches, records))
     return [*failures, *apply_expectations(suite, checks)]

@@ -27,7 +27,7 @@ from harness.launching import Launched
 from harness.manifest import Manifest, ManifestError
 from harness.phases import PhaseLog, read_rank_phases, timeline
 from harness.prepare import PreparedRun, UsageError
-from harness.records import ArmRecords, RecordError, naming_file, read_metrics, write_json_atomic
+from harness.records import RecordError, RunRecords, naming_file, read_metrics, write_json_atomic
 from harness.report import format_verdict_table, read_throughput, write_html, write_junit
 from harness.rundir import JUNIT, REPORT, SUMMARY, arm_files
 from harness.verdict import EXIT_FAIL, EXIT_INFRA, EXIT_PASS, status_counts
@@ -71,7 +71,7 @@ class Summary:
 def write_outputs(
     run: PreparedRun,
     launched: Launched,
-    records: dict[str, ArmRecords],
+    records: RunRecords,
     judgement: Judgement,
     out: TextIO = sys.stdout,
     err: TextIO = sys.stderr,
@@ -89,7 +89,7 @@ def write_outputs(
     return summary.exit_code
 
 
-def build_summary(run: PreparedRun, launched: Launched, records: dict[str, ArmRecords], judged: Judgement) -> Summary:
+def build_summary(run: PreparedRun, launched: Launched, records: RunRecords, judged: Judgement) -> Summary:
     """The summary of a judged run (ARCHITECTURE §4), its timing still to come."""
     suite, throughput = run.suite, run.suite.throughput
     checks = [c.to_dict() for c in judged.checks]

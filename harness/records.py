@@ -13,14 +13,14 @@ import logging
 import os
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from contextlib import contextmanager, suppress
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import TracebackType
 from typing import TYPE_CHECKING, Any
 
-from harness.rundir import arm_files
+from harness.rundir import THROUGHPUT, arm_files
 
 if TYPE_CHECKING:
     import pandas as pd
@@ -241,9 +241,32 @@ def read_arm(run_dir: Path, arm: str, logical_ranks: int) -> ArmRecords:
     return records
 
 
-def read_records(suite: SuiteSpec, run_dir: Path) -> dict[str, ArmRecords]:
-    """Every arm's records, as complete as the run left them; none for a throughput run (its blocks
-    are ``throughput.jsonl``, which its gate reads)."""
-    if suite.throughput:
-        return {}
-    return {arm: read_arm(run_dir, arm, spec.logical_ranks) for arm, spec in suite.arms.items()}
+@dataclass
+class RunRecords(Mapping[str, ArmRecords]):
+    """What a run left for its judge: each arm's records, by name (this is a mapping of them), and
+    the run's own: a throughput run's block rows (``throughput.jsonl``) or why they cannot be read."""
+
+    arms: dict[str, ArmRecords] = field(default_factory=dict)
+    throughput: list[dict] = field(default_factory=list)
+    throughput_error: str | None = None
+
+    def __getitem__(self, arm: str) -> ArmRecords:
+        return self.arms[arm]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.arms)
+
+    def __len__(self) -> int:
+        return len(self.arms)
+
+
+def read_records(suite: SuiteSpec, run_dir: Path) -> RunRecords:
+    """Everything the ranks recorded, as complete as the run left it: each arm's files, or for a
+    throughput run its block rows; nothing unreadable raises (it is kept as the error)."""
+    if not suite.throughput:
+        return RunRecords({arm: read_arm(run_dir, arm, spec.logical_ranks) for arm, spec in suite.arms.items()})
+    path = Path(run_dir) / THROUGHPUT
+    try:
+        return RunRecords(throughput=read_jsonl(path) if path.is_file() else [])
+    except RecordError as e:
+        return RunRecords(throughput_error=str(e))

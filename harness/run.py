@@ -33,7 +33,7 @@ from harness.launchers.local import launch_group
 from harness.launching import launch_run
 from harness.outputs import write_outputs
 from harness.prepare import PreparedRun, RunOptions, harness_log, prepare_run
-from harness.records import read_records
+from harness.records import RunRecords, read_records
 from harness.report.figures import import_in_background
 from harness.specs import SuiteSpec
 
@@ -53,6 +53,6 @@ def judge_run(run: PreparedRun, launch: GroupLauncher, out: TextIO = sys.stdout,
         try:
             records = read_records(run.suite, run.run_dir)
         except Cancelled as c:  # the judge says so; the outputs are still written
-            launched.cancelled, records = launched.cancelled or c, {}
+            launched.cancelled, records = launched.cancelled or c, RunRecords()
         judgement = judge(run, launched, records)
         return write_outputs(run, launched, records, judgement, out, err)

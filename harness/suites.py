@@ -21,7 +21,7 @@ import tomllib
 from pathlib import Path
 from typing import Any
 
-from harness.checks import FAMILIES
+from harness.checks import CHECK_KINDS, FAMILIES
 from harness.checks.pairs import DEFAULT_METRICS
 from harness.compare import tier_from_spec
 from harness.records import METRIC_COLUMNS
@@ -370,8 +370,8 @@ class _Validator:
         if not isinstance(raw, dict):
             raise self.error(dotted, f"expected a table, got {show(raw)}")
         if "kind" not in raw:
-            raise self.error(f"{dotted}.kind", f"missing (one of {', '.join(FAMILIES)})")
-        kind = self.str_(raw["kind"], f"{dotted}.kind", tuple(FAMILIES))
+            raise self.error(f"{dotted}.kind", f"missing (one of {', '.join(CHECK_KINDS)})")
+        kind = self.str_(raw["kind"], f"{dotted}.kind", CHECK_KINDS)
         family = FAMILIES[kind]
         unfed = sorted(set(family.reads_of(kind)) - self.subject.families)
         if unfed:

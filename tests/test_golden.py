@@ -7,15 +7,14 @@ import numpy as np
 import pandas as pd
 import pytest
 
+from harness.checks.golden import compare_to_golden, golden_checks
 from harness.compare import Close, Exact
 from harness.golden import (
     GoldenError,
     comparable_goldens,
-    compare_to_golden,
     config_differences,
     diff_summary,
     env_key,
-    golden_checks,
     golden_from_metrics,
     load_golden,
     plan_golden,

@@ -8,9 +8,11 @@ from pathlib import Path
 
 import pytest
 
+from harness.checks.throughput import judge_throughput
 from harness.compare import CheckResult
+from harness.records import read_records
 from harness.report.throughput import improvement_note
-from harness.throughput import judge_throughput, plan_measurements, plan_throughput_launches
+from harness.throughput import plan_measurements, plan_throughput_launches, separate_launches
 from harness.verdict import EXIT_FAIL, EXIT_INCONCLUSIVE, EXIT_INFRA, EXIT_PASS, verdict_of
 from tests.suite_files import suite_from
 
@@ -88,7 +90,8 @@ def _judge(tmp_path: Path, rows: list[dict], **throughput: object) -> CheckResul
     run_dir = tmp_path / "run"
     run_dir.mkdir(exist_ok=True)
     (run_dir / "throughput.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    return judge_throughput(suite, run_dir, plan_throughput_launches(suite))
+    separate = separate_launches(plan_throughput_launches(suite))
+    return judge_throughput(suite.throughput, read_records(suite, run_dir), separate)
 
 
 @pytest.mark.parametrize(

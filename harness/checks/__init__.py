@@ -13,23 +13,27 @@
 * :mod:`~harness.checks.routing`: send counts of every exchange match the receive counts;
 * :mod:`~harness.checks.weights`: two arms' final weights, bit for bit;
 * :mod:`~harness.checks.pec`: a PEC embedding's gradient all-to-all: who starts it, when, how often,
-  and that every lookup sees every earlier update.
+  and that every lookup sees every earlier update;
+* :mod:`~harness.checks.golden`: the metrics against the environment's golden (every run, unlisted);
+* :mod:`~harness.checks.throughput`: a throughput run's ABBA gate (unlisted).
 """
 
 from harness.checks import (  # noqa: F401  (they register)
     exchange,
     fidelity,
+    golden,
     graph,
     overlap,
     pairs,
     pec,
     ranks,
     routing,
+    throughput,
     versioned,
     weights,
 )
 from harness.checks.registry import FAMILIES, CheckFamily, register, run_check
 
-CHECK_KINDS = tuple(FAMILIES)
+CHECK_KINDS = tuple(kind for kind, family in FAMILIES.items() if family.listed)
 
 __all__ = ["CHECK_KINDS", "FAMILIES", "CheckFamily", "register", "run_check"]

@@ -17,7 +17,7 @@ from collections.abc import Callable, Iterable
 
 from harness.checks.registry import CheckFamily, Problem, SuiteReader, arm_list, problems_result, register
 from harness.compare import CheckResult
-from harness.records import ArmRecords
+from harness.records import ArmRecords, RunRecords
 from harness.specs import ArmSpec, CheckSpec, SuiteSpec
 from harness.subject.protocol import TOKEN_EXCHANGE, VERSIONED
 
@@ -358,7 +358,7 @@ def parse(kind: str, raw: dict, dotted: str, v: SuiteReader, arms: dict[str, Arm
     return CheckSpec(kind, name or f"{a} vs {b}: events", (a, b))
 
 
-def run(check: CheckSpec, suite: SuiteSpec, records: dict[str, ArmRecords]) -> list[CheckResult]:
+def run(check: CheckSpec, suite: SuiteSpec, records: RunRecords) -> list[CheckResult]:
     if check.kind == KIND:
         return [r for arm in check.arms for r in arm_exchanges(arm, suite.arms[arm], records[arm])]
     a, b = check.arms

@@ -27,7 +27,7 @@ from typing import Any
 
 from harness.checks.registry import CheckFamily, SuiteReader, register
 from harness.compare import CheckResult
-from harness.records import ArmRecords
+from harness.records import RunRecords
 from harness.specs import ArmSpec, CheckSpec, SuiteSpec
 from harness.subject.protocol import FIDELITY
 
@@ -70,7 +70,7 @@ def _tolerance(v: SuiteReader, value: Any, dotted: str) -> float:
     return float(value)
 
 
-def run(check: CheckSpec, suite: SuiteSpec, records: dict[str, ArmRecords]) -> list[CheckResult]:
+def run(check: CheckSpec, suite: SuiteSpec, records: RunRecords) -> list[CheckResult]:
     return [judge(f"{arm}: {check.name}", records[arm].fidelity, suite.steps, check.options) for arm in check.arms]
 
 

@@ -31,7 +31,7 @@ from typing import Any
 
 from harness.checks.registry import CheckFamily, SuiteReader, problems_result, qualifying_arms, register
 from harness.compare import CheckResult
-from harness.records import ArmRecords
+from harness.records import ArmRecords, RunRecords
 from harness.specs import ArmSpec, CheckSpec, SuiteSpec
 from harness.subject.protocol import GRAPH
 
@@ -285,7 +285,7 @@ def parse(kind: str, raw: dict, dotted: str, v: SuiteReader, arms: dict[str, Arm
     return CheckSpec(kind, name, qualifying_arms(v, raw, dotted, arms, _no_graph, wanted))
 
 
-def run(check: CheckSpec, suite: SuiteSpec, records: dict[str, ArmRecords]) -> list[CheckResult]:
+def run(check: CheckSpec, suite: SuiteSpec, records: RunRecords) -> list[CheckResult]:
     return [result for arm in check.arms for result in graph_results(arm, suite.arms[arm], records[arm])]
 
 

@@ -32,7 +32,7 @@ from harness.checks.exchange import Event, malformed_events
 from harness.checks.graph import GraphNode, expected_regions, graph_nodes, region_problems
 from harness.checks.registry import CheckFamily, SuiteReader, problems_result, qualifying_arms, register
 from harness.compare import CheckResult
-from harness.records import ArmRecords
+from harness.records import ArmRecords, RunRecords
 from harness.specs import ArmSpec, CheckSpec, SuiteSpec
 from harness.subject.protocol import GRAPH, TOKEN_EXCHANGE
 
@@ -143,7 +143,7 @@ def parse(kind: str, raw: dict, dotted: str, v: SuiteReader, arms: dict[str, Arm
     return CheckSpec(kind, name, qualifying_arms(v, raw, dotted, arms, _no_overlap_promised, wanted))
 
 
-def run(check: CheckSpec, suite: SuiteSpec, records: dict[str, ArmRecords]) -> list[CheckResult]:
+def run(check: CheckSpec, suite: SuiteSpec, records: RunRecords) -> list[CheckResult]:
     return [arm_overlap(f"{arm}: {check.name}", arm, suite.arms[arm], records[arm]) for arm in check.arms]
 
 

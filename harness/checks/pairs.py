@@ -19,7 +19,7 @@ from harness.checks.exchange import same_events
 from harness.checks.registry import CheckFamily, SuiteReader, register
 from harness.compare import CheckResult, Exact, Ulp, compare_arms, tier_from_spec
 from harness.digests import first_divergence
-from harness.records import ArmRecords
+from harness.records import RunRecords
 from harness.specs import ArmSpec, CheckSpec, SuiteSpec
 from harness.subject.protocol import METRICS, TOKEN_EXCHANGE
 
@@ -42,7 +42,7 @@ def parse(kind: str, raw: dict, dotted: str, v: SuiteReader, arms: dict[str, Arm
     return CheckSpec(kind, name or f"{a} vs {b}", (a, b), v.metric_list(raw, dotted, DETERMINISM_METRICS))
 
 
-def run(check: CheckSpec, suite: SuiteSpec, records: dict[str, ArmRecords]) -> list[CheckResult]:
+def run(check: CheckSpec, suite: SuiteSpec, records: RunRecords) -> list[CheckResult]:
     a, b = check.arms
     tier = Exact() if check.kind == DETERMINISM else tier_from_spec(check.tier)
     results = [

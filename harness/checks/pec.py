@@ -55,7 +55,7 @@ from collections.abc import Callable
 
 from harness.checks.registry import CheckFamily, Problem, SuiteReader, problems_result, qualifying_arms, register
 from harness.compare import CheckResult
-from harness.records import ArmRecords
+from harness.records import RunRecords
 from harness.specs import ArmSpec, CheckSpec, SuiteSpec
 from harness.subject.protocol import PEC
 
@@ -422,7 +422,7 @@ def parse(kind: str, raw: dict, dotted: str, v: SuiteReader, arms: dict[str, Arm
     return CheckSpec(kind, name, qualifying_arms(v, raw, dotted, arms, problem, "an arm with a PEC table"))
 
 
-def run(check: CheckSpec, suite: SuiteSpec, records: dict[str, ArmRecords]) -> list[CheckResult]:
+def run(check: CheckSpec, suite: SuiteSpec, records: RunRecords) -> list[CheckResult]:
     """Batches are numbered like steps: a run of N steps makes N pipeline calls over batches 1..N."""
     results = []
     for arm in check.arms:

@@ -16,7 +16,7 @@ from typing import Any
 
 from harness.checks.registry import CheckFamily, SuiteReader, arm_list, register
 from harness.compare import CheckResult, format_steps
-from harness.records import ArmRecords
+from harness.records import RunRecords
 from harness.specs import ArmSpec, CheckSpec, SuiteSpec
 from harness.subject.protocol import RANK_UPDATES
 
@@ -89,7 +89,7 @@ def parse(kind: str, raw: dict, dotted: str, v: SuiteReader, arms: dict[str, Arm
     return CheckSpec(kind, name, arm_list(v, raw, dotted, arms))
 
 
-def run(check: CheckSpec, suite: SuiteSpec, records: dict[str, ArmRecords]) -> list[CheckResult]:
+def run(check: CheckSpec, suite: SuiteSpec, records: RunRecords) -> list[CheckResult]:
     return [check_ranks_agree(f"{arm}: {check.name}", records[arm].ranks) for arm in check.arms]
 
 

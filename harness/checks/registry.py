@@ -18,7 +18,7 @@ from dataclasses import dataclass, replace
 from typing import Any, Protocol
 
 from harness.compare import CheckResult
-from harness.records import ArmRecords
+from harness.records import ArmRecords, RunRecords
 from harness.specs import ArmSpec, CheckSpec, SuiteSpec
 from harness.subject.protocol import METRICS
 
@@ -46,7 +46,8 @@ class SuiteReader(Protocol):
 
 # (kind, the [[checks]] table, its dotted path such as "checks.3", the validator, the suite's arms)
 Parse = Callable[[str, dict, str, SuiteReader, dict[str, ArmSpec]], CheckSpec]
-Run = Callable[[CheckSpec, SuiteSpec, dict[str, ArmRecords]], list[CheckResult]]
+# (the check, the suite, what the run recorded: each arm's records by name, and the run's own)
+Run = Callable[[CheckSpec, SuiteSpec, RunRecords], list[CheckResult]]
 
 
 @dataclass(frozen=True)
@@ -59,6 +60,7 @@ class CheckFamily:
     parse: Parse
     run: Run
     reads: tuple[str, ...] | Mapping[str, tuple[str, ...]] = (METRICS,)
+    listed: bool = True  # False: every run has it and no suite lists it (golden, the throughput gate)
 
     def reads_of(self, kind: str) -> tuple[str, ...]:
         return self.reads[kind] if isinstance(self.reads, Mapping) else self.reads
@@ -78,10 +80,12 @@ def register(family: CheckFamily) -> CheckFamily:
     return family
 
 
-def run_check(check: CheckSpec, suite: SuiteSpec, records: dict[str, ArmRecords]) -> list[CheckResult]:
-    """The results of one [[checks]] entry, each naming the arms it judges; an arm whose records
-    cannot be read makes it an error."""
-    unreadable = [records[arm].error for arm in check.arms if records[arm].error]
+def run_check(check: CheckSpec, suite: SuiteSpec, records: Mapping[str, ArmRecords]) -> list[CheckResult]:
+    """The results of one check, each naming the arms it judges; an arm whose records cannot be
+    read makes it an error. ``records``: a RunRecords, or any mapping of arm records."""
+    if not isinstance(records, RunRecords):
+        records = RunRecords(dict(records))
+    unreadable = [records[arm].error for arm in check.arms if arm in records and records[arm].error]
     if unreadable:
         return [CheckResult(check.name, check.kind, "error", f"not run: {'; '.join(unreadable)}", arms=[*check.arms])]
     return [_with_arms(result, check.arms) for result in FAMILIES[check.kind].run(check, suite, records)]

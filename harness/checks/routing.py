@@ -15,7 +15,7 @@ from collections import Counter
 
 from harness.checks.registry import CheckFamily, SuiteReader, arm_list, problems_result, register
 from harness.compare import CheckResult
-from harness.records import ArmRecords
+from harness.records import ArmRecords, RunRecords
 from harness.specs import ArmSpec, CheckSpec, SuiteSpec
 from harness.subject.protocol import TOKEN_EXCHANGE
 
@@ -115,7 +115,7 @@ def arm_routing(name: str, train: dict, records: ArmRecords) -> CheckResult:
     return check_routing_counts(name, records.events, balanced_count(train, top_k))
 
 
-def run(check: CheckSpec, suite: SuiteSpec, records: dict[str, ArmRecords]) -> list[CheckResult]:
+def run(check: CheckSpec, suite: SuiteSpec, records: RunRecords) -> list[CheckResult]:
     return [arm_routing(f"{arm}: {check.name}", suite.arms[arm].train, records[arm]) for arm in check.arms]
 
 

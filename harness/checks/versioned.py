@@ -19,7 +19,7 @@ from collections.abc import Iterable
 
 from harness.checks.registry import CheckFamily, Problem, SuiteReader, problems_result, qualifying_arms, register
 from harness.compare import CheckResult, format_steps
-from harness.records import ArmRecords
+from harness.records import RunRecords
 from harness.specs import ArmSpec, CheckSpec, SuiteSpec
 from harness.subject.protocol import VERSIONED
 
@@ -225,7 +225,7 @@ def parse(kind: str, raw: dict, dotted: str, v: SuiteReader, arms: dict[str, Arm
     return CheckSpec(kind, name, _versioned_arms(raw, dotted, v, arms, kind == CORRECTION_STATS), options=options)
 
 
-def run(check: CheckSpec, suite: SuiteSpec, records: dict[str, ArmRecords]) -> list[CheckResult]:
+def run(check: CheckSpec, suite: SuiteSpec, records: RunRecords) -> list[CheckResult]:
     """Batches are numbered like steps (see worker.updates): a run of N steps applies batches 1..N."""
     results = []
     for arm in check.arms:

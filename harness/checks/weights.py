@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from harness.checks.registry import CheckFamily, Problem, SuiteReader, problems_result, register
 from harness.compare import CheckResult
-from harness.records import ArmRecords
+from harness.records import RunRecords
 from harness.specs import ArmSpec, CheckSpec, SuiteSpec
 from harness.subject.protocol import FINAL_WEIGHTS
 
@@ -66,7 +66,7 @@ def _rank_problem(rank: int, arms: tuple[str, str], recorded: tuple[dict | None,
     return None
 
 
-def run(check: CheckSpec, suite: SuiteSpec, records: dict[str, ArmRecords]) -> list[CheckResult]:
+def run(check: CheckSpec, suite: SuiteSpec, records: RunRecords) -> list[CheckResult]:
     a, b = check.arms
     ranks = range(suite.arms[a].logical_ranks)
     problems: list[Problem] = []
