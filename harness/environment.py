@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import os
 import platform
+import re
 import subprocess
 import sys
 from dataclasses import dataclass, field
@@ -31,7 +32,6 @@ import torch
 import torch.distributed as dist
 
 import harness
-from harness.golden import env_key
 from harness.shipped import SOURCE_ROOT, in_checkout
 
 CPU_ISAS = ("avx2", "native")
@@ -149,6 +149,28 @@ def device_class(device: str, pin: CpuPin | None = None) -> str:
 
 def backend_for(device: str) -> str:
     return "nccl" if device == "cuda" else "gloo"
+
+
+def _slug(what: str, value: str) -> str:
+    slug = re.sub(r"[^a-z0-9.]+", "-", value.lower()).strip("-")
+    if not slug:
+        raise ValueError(f"env_key: {what} {value!r} is empty")
+    return slug
+
+
+def env_key(device: str, backend: str, dtype: str, torch_version: str) -> str:
+    """Names the environment a golden is valid for: "cpu-pinned-avx2-intel-gloo-float32-torch2.13",
+    "cuda-h200-nccl-bfloat16-torch2.13".
+
+    device is the device class ("cpu-pinned-avx2-amd", or a GPU class such as "cuda-h200"); only torch's
+    major.minor counts, since patch releases rarely move numerics and would churn goldens.
+    """
+    match = re.match(r"(\d+)\.(\d+)", torch_version)
+    if not match:
+        raise ValueError(f"env_key: torch version {torch_version!r} does not start with major.minor")
+    dtype = dtype.removeprefix("torch.")
+    parts = [_slug("device", device), _slug("backend", backend), _slug("dtype", dtype)]
+    return "-".join(parts + [f"torch{match[1]}.{match[2]}"])
 
 
 def run_env_key(device: str, dtype: str, pin: CpuPin | None = None) -> str:

@@ -72,28 +72,6 @@ class Golden:
         }
 
 
-def _slug(what: str, value: str) -> str:
-    slug = re.sub(r"[^a-z0-9.]+", "-", value.lower()).strip("-")
-    if not slug:
-        raise ValueError(f"env_key: {what} {value!r} is empty")
-    return slug
-
-
-def env_key(device: str, backend: str, dtype: str, torch_version: str) -> str:
-    """Names the environment a golden is valid for: "cpu-pinned-avx2-intel-gloo-float32-torch2.13",
-    "cuda-h200-nccl-bfloat16-torch2.13".
-
-    device is the device class ("cpu-pinned-avx2-amd", or a GPU class such as "cuda-h200"); only torch's
-    major.minor counts, since patch releases rarely move numerics and would churn goldens.
-    """
-    match = re.match(r"(\d+)\.(\d+)", torch_version)
-    if not match:
-        raise ValueError(f"env_key: torch version {torch_version!r} does not start with major.minor")
-    dtype = dtype.removeprefix("torch.")
-    parts = [_slug("device", device), _slug("backend", backend), _slug("dtype", dtype)]
-    return "-".join(parts + [f"torch{match[1]}.{match[2]}"])
-
-
 def _trajectory(series: pd.Series) -> dict:
     """The file form of one metric; a missing value is "nan", as in Megatron's goldens."""
     series = series.astype("float64").sort_index()

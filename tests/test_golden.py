@@ -9,12 +9,12 @@ import pytest
 
 from harness.checks.golden import compare_to_golden, golden_checks
 from harness.compare import Close, Exact
+from harness.environment import env_key
 from harness.golden import (
     GoldenError,
     comparable_goldens,
     config_differences,
     diff_summary,
-    env_key,
     golden_from_metrics,
     load_golden,
     plan_golden,
