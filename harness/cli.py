@@ -177,7 +177,12 @@ def build_parser() -> argparse.ArgumentParser:
         default="cpu",
         help="cuda: also check what a GPU runner needs (exit 2, one line per missing item)",
     )
-    doctor.add_argument("--ranks", type=int, default=2, metavar="N", help="GPUs --device cuda needs (default 2)")
+    doctor.add_argument("--ranks", type=int, default=2, metavar="N", help="processes (GPUs) a run uses (default 2)")
+    doctor.add_argument(
+        "--step",
+        action="store_true",
+        help="also train one step twice through the harness on --ranks processes (always with --device cuda)",
+    )
     return parser
 
 
@@ -355,20 +360,24 @@ def _command(args: argparse.Namespace, argv: list[str]) -> int:
         return rerender(args.run_dir)
     for key, value in describe_environment(args.golden_dir).items():
         print(f"{key:<14} {value}")
-    if args.device == "cuda":
-        return _cuda_preflight(args.ranks)
+    if args.device == "cuda" or args.step:
+        return _preflight(args.device, args.ranks)
     return EXIT_PASS
 
 
-def _cuda_preflight(ranks: int) -> int:
-    """``harness doctor --device cuda``: each item a GPU runner needs, "ok" on stdout or "missing" on
-    stderr, one line each; exit 2 when any is missing, as the run it predicts would be refused or fail."""
+def _preflight(device: str, ranks: int) -> int:
+    """``harness doctor --device cuda`` (or ``--step``): each item a runner needs, "ok" on stdout or
+    "missing" on stderr, one line each, then one real training step if nothing is missing; exit 2
+    when any item is missing or the step fails, as the run it predicts would be refused or fail."""
     if ranks < 1:
         raise UsageError(f"--ranks: expected an int >= 1, got {ranks}")
-    missing = 0
-    for item in cuda_preflight(ranks):
+    items = cuda_preflight(ranks) if device == "cuda" else []
+    if all(item.ok for item in items):
+        from harness.doctor import step_preflight  # the whole harness: only when a step is run
+
+        items.append(step_preflight(device, ranks))
+    for item in items:
         print(
             f"{'ok' if item.ok else 'missing'}: {item.item}: {item.detail}", file=sys.stdout if item.ok else sys.stderr
         )
-        missing += not item.ok
-    return EXIT_USAGE if missing else EXIT_PASS
+    return EXIT_PASS if all(item.ok for item in items) else EXIT_USAGE
