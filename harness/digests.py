@@ -27,9 +27,13 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Iterable, Mapping
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
+
+if TYPE_CHECKING:
+    from harness.records import DigestLine
 
 # Replicated parameters are hashed every this many steps, and at the last step.
 HASH_EVERY = 5
@@ -85,7 +89,7 @@ def _difference(a: list, b: list) -> tuple[float, float]:
     return max(diffs), max(rels)
 
 
-def first_divergence(digests_a: list[dict], digests_b: list[dict], label_a: str, label_b: str) -> dict:
+def first_divergence(digests_a: list[DigestLine], digests_b: list[DigestLine], label_a: str, label_b: str) -> dict:
     """The first step whose digests differ and the first tensor there, in backward order.
 
     Gradients are looked at before parameters: a gradient that differs is where a step went
@@ -94,14 +98,14 @@ def first_divergence(digests_a: list[dict], digests_b: list[dict], label_a: str,
     "max_rel_diff"}``, or ``{"summary"}`` alone when nothing can be localised (no digests, no
     common parameter, or digests identical at every common step).
     """
-    by_step_a = {d["step"]: d for d in digests_a}
-    by_step_b = {d["step"]: d for d in digests_b}
+    by_step_a = {d.step: d for d in digests_a}
+    by_step_b = {d.step: d for d in digests_b}
     missing = [label for label, steps in ((label_a, by_step_a), (label_b, by_step_b)) if not steps]
     if missing:
         return {"summary": f"no gradient digests recorded in arm {' and '.join(repr(m) for m in missing)}"}
     for step in sorted(by_step_a.keys() & by_step_b.keys()):
         for key, what in (("grads", "gradient"), ("params", "parameter")):
-            a, b = by_step_a[step].get(key, {}), by_step_b[step].get(key, {})
+            a, b = getattr(by_step_a[step], key), getattr(by_step_b[step], key)
             for name in reversed([n for n in a if n in b]):
                 if a[name][0] != b[name][0]:
                     max_abs, max_rel = _difference(a[name], b[name])

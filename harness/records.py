@@ -182,6 +182,61 @@ def remove_stale_temps(path: Path, older_than_s: float = STALE_TEMP_S) -> None:
                 temp.unlink()
 
 
+@dataclass(frozen=True)
+class RankLine:
+    """One logical rank's own view of one update, a line of ``ranks.rank<k>.jsonl``: the step's
+    global loss and grad norm as that rank has them, and, every few steps and at the last, a hash of
+    its replicated parameters (harness.digests)."""
+
+    step: int
+    loss: float
+    grad_norm: float
+    replicated_hash: str | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        line: dict[str, Any] = {"step": self.step, "loss": self.loss, "grad_norm": self.grad_norm}
+        return line if self.replicated_hash is None else {**line, "replicated_hash": self.replicated_hash}
+
+    @classmethod
+    def from_json(cls, raw: dict, path: Path, number: int) -> RankLine:
+        _require(raw, {"step": int, "loss": (int, float), "grad_norm": (int, float)}, path, number)
+        hashed = raw.get("replicated_hash")
+        if hashed is not None and not isinstance(hashed, str):
+            raise RecordError(path, None, f"record {number}: replicated_hash is {hashed!r}, not a string")
+        return cls(raw["step"], float(raw["loss"]), float(raw["grad_norm"]), hashed)
+
+
+@dataclass(frozen=True)
+class DigestLine:
+    """Logical rank 0's digests of one update, a line of ``digests.jsonl``: each gradient (reduced,
+    before clipping) and each parameter after the update, ``{name: [hash, max abs, L2]}`` in
+    registration order (harness.digests)."""
+
+    step: int
+    grads: dict[str, list]
+    params: dict[str, list]
+
+    def to_json(self) -> dict[str, Any]:
+        return {"step": self.step, "grads": self.grads, "params": self.params}
+
+    @classmethod
+    def from_json(cls, raw: dict, path: Path, number: int) -> DigestLine:
+        _require(raw, {"step": int, "grads": dict, "params": dict}, path, number)
+        return cls(raw["step"], raw["grads"], raw["params"])
+
+
+def _require(raw: dict, fields: dict[str, type | tuple[type, ...]], path: Path, number: int) -> None:
+    """Each field present with its type (a bool is no int), or RecordError naming the record."""
+    for name, kind in fields.items():
+        value = raw.get(name)
+        if value is None or isinstance(value, bool) or not isinstance(value, kind):
+            raise RecordError(path, None, f"record {number}: {name} is {value!r}")
+
+
+def _typed_lines(path: Path, line: type[RankLine] | type[DigestLine]) -> list:
+    return [line.from_json(raw, path, n) for n, raw in enumerate(_read_if_there(path), start=1)]
+
+
 @dataclass
 class ArmRecords:
     """What one arm left in the run directory, read back for the checks; partial when it crashed."""
@@ -189,8 +244,8 @@ class ArmRecords:
     metrics: pd.DataFrame = field(default_factory=lambda: read_metrics_records([], "<none>"))
     updates: list[dict] = field(default_factory=list)  # metrics.jsonl as written: null and NaN kept apart
     events: dict[int, list[dict]] = field(default_factory=dict)  # logical rank -> token-exchange events
-    ranks: dict[int, list[dict]] = field(default_factory=dict)  # logical rank -> its loss, grad norm, hashes
-    digests: list[dict] = field(default_factory=list)  # logical rank 0's gradient and parameter digests
+    ranks: dict[int, list[RankLine]] = field(default_factory=dict)  # logical rank -> its loss, grad norm, hashes
+    digests: list[DigestLine] = field(default_factory=list)  # logical rank 0's gradient and parameter digests
     info: dict = field(default_factory=dict)  # arm.json's facts of the built arm (Arm.info): MoE layers, chunk roots
     graph: dict | None = None  # graph.json of a traced arm: its scheduled exchange ops; None if absent
     cpu_capability: str | None = None  # the ISA ATen dispatched to in the arm's ranks
@@ -230,12 +285,12 @@ def read_arm(run_dir: Path, arm: str, logical_ranks: int) -> ArmRecords:
             records.fidelity = read_jsonl(files.fidelity)
         for logical_rank in range(logical_ranks):
             records.events[logical_rank] = _read_if_there(files.events(logical_rank))
-            records.ranks[logical_rank] = _read_if_there(files.ranks(logical_rank))
+            records.ranks[logical_rank] = _typed_lines(files.ranks(logical_rank), RankLine)
             records.pec[logical_rank] = _read_if_there(files.pec(logical_rank))
             weights = files.weights(logical_rank)
             if weights.is_file():
                 records.final_weights[logical_rank] = json.loads(weights.read_text())
-        records.digests = _read_if_there(files.digests)
+        records.digests = _typed_lines(files.digests, DigestLine)
     except (RecordError, OSError, ValueError) as e:
         records.error = f"unreadable records of arm '{arm}': {e}"
     return records

@@ -52,7 +52,7 @@ from torch.distributed.elastic.multiprocessing.errors import ErrorHandler, recor
 import harness
 from harness.digests import HASH_EVERY, digest_all, final_weights, parameters_hash
 from harness.phases import PhaseLog
-from harness.records import JsonlWriter, write_json_atomic
+from harness.records import DigestLine, JsonlWriter, RankLine, write_json_atomic
 from harness.rundir import MANIFEST, THROUGHPUT, ArmFiles, arm_files, phases_file
 from harness.specs import ArmSpec
 from harness.subject import Subject, load_subject
@@ -225,14 +225,14 @@ class FileRecorder:
             self._grad_digests[step] = digest_all(dict(grads))
 
     def rank_update(self, logical_rank: int, step: int, update: RankUpdate) -> None:
-        record: dict[str, Any] = {"step": step, "loss": update.loss, "grad_norm": update.grad_norm}
-        if step % HASH_EVERY == 0 or step == self._steps:
-            record["replicated_hash"] = parameters_hash(update.replicated.values())
-        self._writers.write(self._files.ranks(logical_rank), record)
+        hashed = step % HASH_EVERY == 0 or step == self._steps
+        replicated = parameters_hash(update.replicated.values()) if hashed else None
+        line = RankLine(step, update.loss, update.grad_norm, replicated)
+        self._writers.write(self._files.ranks(logical_rank), line.to_json())
         if logical_rank == 0:
             params = digest_all({**update.replicated, **update.sharded})
-            grads = self._grad_digests.pop(step, {})
-            self._writers.write(self._files.digests, {"step": step, "grads": grads, "params": params})
+            digests = DigestLine(step, self._grad_digests.pop(step, {}), params)
+            self._writers.write(self._files.digests, digests.to_json())
 
     def exchange_event(self, logical_rank: int, event: Mapping[str, Any]) -> None:
         self._writers.write(self._files.events(logical_rank), event)

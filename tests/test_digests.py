@@ -5,12 +5,13 @@ from __future__ import annotations
 import torch
 
 from harness.digests import digest_all, first_divergence, parameters_hash
+from harness.records import DigestLine
 
 NAMES = ("model.embed_tokens.weight", "model.layers.0.mlp.down_proj.weight", "lm_head.weight")
 
 
-def _step(step: int, grads: dict[str, torch.Tensor], params: dict[str, torch.Tensor]) -> dict:
-    return {"step": step, "grads": digest_all(grads), "params": digest_all(params)}
+def _step(step: int, grads: dict[str, torch.Tensor], params: dict[str, torch.Tensor]) -> DigestLine:
+    return DigestLine(step, digest_all(grads), digest_all(params))
 
 
 def _tensors(seed: int = 0) -> dict[str, torch.Tensor]:

@@ -5,7 +5,10 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
-from harness.checks.ranks import check_ranks_agree
+import pytest
+
+from harness.checks import ranks as ranks_check
+from harness.records import RankLine, RecordError
 
 
 def _records(steps: int = 5, hash_at: tuple[int, ...] = (5,), **per_step: object) -> list[dict]:
@@ -18,8 +21,13 @@ def _records(steps: int = 5, hash_at: tuple[int, ...] = (5,), **per_step: object
     return records
 
 
+def _judge(name: str, ranks: dict[int, list[dict]]) -> object:
+    """The check on the lines as the records hold them, typed as reading them makes them."""
+    return ranks_check.check_ranks_agree(name, {r: [RankLine(**line) for line in lines] for r, lines in ranks.items()})
+
+
 def test_identical_ranks_pass_and_say_which_steps_were_hashed() -> None:
-    result = check_ranks_agree("arm: ranks-agree", {0: _records(), 1: _records(), 2: _records()})
+    result = _judge("arm: ranks-agree", {0: _records(), 1: _records(), 2: _records()})
     assert result.status == "pass", result.detail
     assert "5 steps on 3 logical ranks" in result.detail and "steps 5" in result.detail
 
@@ -27,7 +35,7 @@ def test_identical_ranks_pass_and_say_which_steps_were_hashed() -> None:
 def test_a_drifted_replica_fails_naming_the_step_the_hash_and_the_rank() -> None:
     drifted = _records()
     drifted[4]["replicated_hash"] = "bb" * 16
-    result = check_ranks_agree("arm: ranks-agree", {0: _records(), 1: drifted, 2: _records()})
+    result = _judge("arm: ranks-agree", {0: _records(), 1: drifted, 2: _records()})
     assert result.status == "fail" and result.first_divergent_step == 5
     assert result.detail == (
         f"step 5: replicated_hash differs on logical rank 1 from logical rank 0 (rank 0: '{'aa' * 16}',"
@@ -38,7 +46,7 @@ def test_a_drifted_replica_fails_naming_the_step_the_hash_and_the_rank() -> None
 def test_a_loss_one_bit_off_on_one_rank_fails_at_its_step() -> None:
     off = _records()
     off[1]["loss"] = math.nextafter(off[1]["loss"], math.inf)
-    result = check_ranks_agree("arm: ranks-agree", {0: _records(), 1: off})
+    result = _judge("arm: ranks-agree", {0: _records(), 1: off})
     assert result.status == "fail" and result.first_divergent_step == 2
     assert "step 2: loss differs on logical rank 1" in result.detail
 
@@ -46,31 +54,31 @@ def test_a_loss_one_bit_off_on_one_rank_fails_at_its_step() -> None:
 def test_negative_zero_is_not_zero() -> None:
     a, b = _records(), _records()
     a[0]["grad_norm"], b[0]["grad_norm"] = 0.0, -0.0
-    assert check_ranks_agree("x", {0: a, 1: b}).status == "fail"
+    assert _judge("x", {0: a, 1: b}).status == "fail"
 
 
 def test_a_hash_recorded_on_one_rank_only_fails() -> None:
-    result = check_ranks_agree("x", {0: _records(hash_at=(3, 5)), 1: _records(hash_at=(5,))})
+    result = _judge("x", {0: _records(hash_at=(3, 5)), 1: _records(hash_at=(5,))})
     assert result.status == "fail" and result.first_divergent_step == 3
     assert "differs on logical rank 1 from logical rank 0 (rank 0: 'aa" in result.detail
     assert result.detail.endswith("rank 1: nothing)")
 
 
 def test_a_rank_missing_steps_fails() -> None:
-    result = check_ranks_agree("x", {0: _records(), 1: _records()[:3]})
+    result = _judge("x", {0: _records(), 1: _records()[:3]})
     assert result.status == "fail" and result.first_divergent_step == 4
     assert "logical rank 1 is missing steps 4-5" in result.detail
 
 
 def test_no_records_fail() -> None:
-    assert check_ranks_agree("x", {}).status == "fail"
-    assert check_ranks_agree("x", {0: [], 1: []}).status == "fail"
-    silent = check_ranks_agree("x", {0: _records(), 1: []})
+    assert _judge("x", {}).status == "fail"
+    assert _judge("x", {0: [], 1: []}).status == "fail"
+    silent = _judge("x", {0: _records(), 1: []})
     assert silent.status == "fail" and "logical rank 1 recorded nothing" in silent.detail
 
 
 def test_records_without_any_hash_fail_since_drift_would_go_unseen() -> None:
-    result = check_ranks_agree("x", {0: _records(hash_at=()), 1: _records(hash_at=())})
+    result = _judge("x", {0: _records(hash_at=()), 1: _records(hash_at=())})
     assert result.status == "fail" and "no replicated-parameter hash" in result.detail
 
 
@@ -105,3 +113,11 @@ def test_a_replica_that_drifts_on_one_logical_rank_exits_1_naming_ranks_agree(
     check = run.check(out, "procs: ranks-agree")
     assert check["first_divergent_step"] == 3  # hashed at the last step
     assert check["detail"].startswith("step 3: replicated_hash differs on logical rank 1 from logical rank 0")
+
+
+def test_a_line_without_its_loss_is_unreadable_naming_the_file_and_record(tmp_path: Path) -> None:
+    """A renamed key fails where the line is read, not as a rank whose loss reads "nothing"."""
+    path = tmp_path / "ranks.rank1.jsonl"
+    with pytest.raises(RecordError, match=r"ranks.rank1.jsonl: record 2: loss is None"):
+        RankLine.from_json({"step": 2, "los": 4.8, "grad_norm": 1.2}, path, 2)
+    assert RankLine.from_json({"step": 2, "loss": 4.8, "grad_norm": 1.2}, path, 2).replicated_hash is None

@@ -16,7 +16,7 @@ from typing import Any
 
 from harness.checks.registry import CheckFamily, SuiteReader, arm_list, register
 from harness.compare import CheckResult, format_steps
-from harness.records import RunRecords
+from harness.records import RankLine, RunRecords
 from harness.specs import ArmSpec, CheckSpec, SuiteSpec
 from harness.subject.protocol import RANK_UPDATES
 
@@ -44,7 +44,7 @@ def _disagreement(step: int, field: str, values: dict[int, Any]) -> str | None:
     return f"step {step}: {field} differs on logical rank {ranks} from logical rank {first} ({shown})"
 
 
-def check_ranks_agree(name: str, ranks: dict[int, list[dict]]) -> CheckResult:
+def check_ranks_agree(name: str, ranks: dict[int, list[RankLine]]) -> CheckResult:
     """Every logical rank recorded the same steps, and the same loss, grad norm and replicated
     hash at each; no records, or no hash at all, fail."""
     silent = sorted(r for r, records in ranks.items() if not records)
@@ -53,7 +53,7 @@ def check_ranks_agree(name: str, ranks: dict[int, list[dict]]) -> CheckResult:
     if silent:
         listed = ", ".join(map(str, silent))
         return CheckResult(name, KIND, "fail", f"logical rank {listed} recorded nothing (ranks.rank<k>.jsonl)")
-    by_step = {r: {rec["step"]: rec for rec in records} for r, records in ranks.items()}
+    by_step = {r: {rec.step: rec for rec in records} for r, records in ranks.items()}
     all_steps = sorted(set().union(*by_step.values()))
     for r, steps in by_step.items():
         missing = sorted(set(all_steps) - steps.keys())
@@ -64,7 +64,7 @@ def check_ranks_agree(name: str, ranks: dict[int, list[dict]]) -> CheckResult:
         (step, problem)
         for step in all_steps
         for field in FIELDS
-        if (problem := _disagreement(step, field, {r: by_step[r][step].get(field) for r in by_step}))
+        if (problem := _disagreement(step, field, {r: getattr(by_step[r][step], field) for r in by_step}))
     ]
     if problems:
         step, first = problems[0]
@@ -72,7 +72,7 @@ def check_ranks_agree(name: str, ranks: dict[int, list[dict]]) -> CheckResult:
         more = f" (differences at {len(bad_steps)} steps: {format_steps(bad_steps)})" if len(bad_steps) > 1 else ""
         extra = {"problems": [p for _, p in problems[:20]], "problem_count": len(problems)}
         return CheckResult(name, KIND, "fail", first + more, first_divergent_step=step, extra=extra)
-    hashed = [s for s in all_steps if by_step[min(by_step)][s].get("replicated_hash") is not None]
+    hashed = [s for s in all_steps if by_step[min(by_step)][s].replicated_hash is not None]
     if not hashed:
         detail = f"no replicated-parameter hash recorded in {len(all_steps)} steps: a drifting replica would go unseen"
         return CheckResult(name, KIND, "fail", detail)
