@@ -147,6 +147,8 @@ CONFIGS: dict[str, DeepseekV3Config] = {
     # groups (2 chosen), 3 experts per token, a routed scaling factor and a non-zero correction bias.
     "cpu-tiny-learned": _CPU_TINY_LEARNED,
     "cpu-tiny-learned-no-q-lora": replace(_CPU_TINY_LEARNED, q_lora_rank=None),
+    # cpu-tiny with 64 routed experts, for EP 16, 32 and 64 simulated by logical ranks in a few processes.
+    "cpu-tiny-64e": DeepseekV3Config(n_routed_experts=64),
     # torchtitan's deepseek_v3 debugmodel shape, for GPUs.
     "debugmodel": DeepseekV3Config(
         vocab_size=2048,

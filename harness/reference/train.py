@@ -392,7 +392,7 @@ class Trainer:
 
     def _sum_dense_grads(self, rank: int, replica: _Replica) -> None:
         flat = torch.cat([p.grad.flatten() for p in replica.dense_params])
-        total = torch.stack(self.group.all_gather(rank, flat)).sum(0)
+        total = self.group.sum(rank, flat)
         for p, g in zip(replica.dense_params, total.split([p.numel() for p in replica.dense_params])):
             p.grad.copy_(g.view_as(p))
 

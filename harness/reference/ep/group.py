@@ -145,6 +145,17 @@ class LogicalGroup:
         """Every logical rank's ``tensor``, in logical-rank order (treat as read-only)."""
         return self._rendezvous.meet(rank, tensor, self._gather)
 
+    def sum(self, rank: int, tensor: torch.Tensor) -> torch.Tensor:
+        """The sum of every logical rank's ``tensor`` in logical-rank order (the same bits whatever the
+        layout), computed once per process and shared by its logical ranks (treat as read-only): each
+        summing the gathered tensors itself would cost EP times the work and the memory."""
+        return self._rendezvous.meet(rank, tensor, self._sum)
+
+    def _sum(self, items: dict[int, torch.Tensor]) -> dict[int, torch.Tensor]:
+        gathered = self._gather(items)[next(iter(items))]
+        total = torch.stack(gathered).sum(0)
+        return {r: total for r in items}
+
     def _gather(self, items: dict[int, torch.Tensor]) -> dict[int, list[torch.Tensor]]:
         stacked = torch.stack([items[r] for r in self.local_ranks])
         if self.distributed and self.processes > 1:
