@@ -178,7 +178,8 @@ class Subject(Protocol):
         """One arm, in a rank process."""
 
     def cache_problem(self, cache_dir: Path) -> str | None:
-        """Why ``cache_dir`` must not be used (an unsafe folder), or None; checked before launching."""
+        """Optional: why ``cache_dir`` must not be used (an unsafe folder), or None; checked before
+        launching. A subject without it caches nothing, or trusts the folder."""
 
 
 @dataclass(frozen=True)
