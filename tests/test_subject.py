@@ -4,6 +4,7 @@ loading and refusals that keep the harness honest about what a subject can feed.
 from __future__ import annotations
 
 import json
+import sys
 import textwrap
 from pathlib import Path
 
@@ -158,3 +159,24 @@ def test_an_installed_subject_registers_under_the_entry_point_group(tmp_path: Pa
     assert suite.subject == "mine" and suite.arms["a"].logical_ranks == 2
     with pytest.raises(SubjectError, match="not a known subject"):
         load_subject("yours")
+
+
+def test_a_subject_beside_its_suite_is_the_only_module_taken_from_that_folder(tmp_path: Path) -> None:
+    """Loading a subject from the suite's folder must not put the folder on sys.path, where a stray
+    module named like one the harness imports later would shadow it."""
+    (tmp_path / "beside_subject.py").write_text(
+        f"import sys\nsys.path.insert(0, {str(REPO / 'examples')!r})\nfrom tiny_dp import subject\n"
+    )
+    (tmp_path / "tabnanny.py").write_text("raise RuntimeError('a shadowing module ran')\n")
+    suite = load_suite(str(_suite(tmp_path, "beside_subject:subject")))
+    assert suite.subject == "beside_subject:subject" and str(tmp_path) not in sys.path
+    sys.modules.pop("tabnanny", None)
+    import tabnanny  # the standard library's, not the folder's
+
+    assert Path(tabnanny.__file__).parent != tmp_path
+
+    raising = tmp_path / "other"
+    raising.mkdir()
+    (raising / "broken_subject.py").write_text("raise ValueError('no')\n")
+    with pytest.raises(SuiteError, match=r'subject "broken_subject:f": .*broken_subject.py raised ValueError: no'):
+        load_suite(str(_suite(raising, "broken_subject:f")))

@@ -2,10 +2,11 @@
 installed subject registered under the entry-point group ``harness.subjects``, or
 ``"package.module:factory"``. The protocol itself is :mod:`harness.subject.protocol`.
 
-A ``module:factory`` is imported from the suite file's folder first, then from the installed
-packages: a trainer of one's own runs from a suite beside it (``examples/tiny-dp.toml`` names
-``tiny_dp:subject``). The factory is called with no arguments and returns the subject. Nothing
-else is imported: only what the suite, which the user runs, names.
+A ``module:factory`` is imported from the suite file's folder first (a module or package there:
+only that one, with sys.path untouched), then from the installed packages: a trainer of one's own
+runs from a suite beside it (``examples/tiny-dp.toml`` names ``tiny_dp:subject``). The factory
+is called with no arguments and returns the subject. Nothing else is imported: only what the
+suite, which the user runs, names.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from __future__ import annotations
 import functools
 import importlib
 import importlib.metadata
+import importlib.util
 import re
 import sys
 from pathlib import Path
@@ -55,12 +57,32 @@ def load_subject(name: str, search_dir: Path | None = None) -> Subject:
 
 
 def _import(name: str, module_name: str, search_dir: Path | None) -> object:
-    if search_dir is not None and str(search_dir) not in sys.path:
-        sys.path.insert(0, str(search_dir))
+    """``module_name``, its top-level module or package taken from ``search_dir`` where it is there.
+    Only that one is loaded from the folder; sys.path is left alone, so nothing else in the folder
+    (a stray ``json.py``) can shadow a module the harness imports later."""
+    top = module_name.split(".")[0]
+    if search_dir is not None and top not in sys.modules:
+        _load_beside(name, top, search_dir)
     try:
         return importlib.import_module(module_name)
     except ImportError as e:
         raise SubjectError(f'subject "{name}": cannot import {module_name}: {e}') from None
+
+
+def _load_beside(name: str, top: str, folder: Path) -> None:
+    for path, package in ((folder / top / "__init__.py", True), (folder / f"{top}.py", False)):
+        if not path.is_file():
+            continue
+        locations = [str(path.parent)] if package else None
+        spec = importlib.util.spec_from_file_location(top, path, submodule_search_locations=locations)
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[top] = module
+        try:
+            spec.loader.exec_module(module)
+        except Exception as e:
+            del sys.modules[top]
+            raise SubjectError(f'subject "{name}": {path} raised {type(e).__name__}: {e}') from None
+        return
 
 
 def _made(name: str, find_factory: object) -> Subject:
