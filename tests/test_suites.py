@@ -117,8 +117,8 @@ def test_bare_train_field_override_applies_to_every_arm(tmp_path: Path) -> None:
         (GOOD.replace("lr = 0.001", 'routing = "random"'), "FILE: train.routing: routing must be one of"),
         (
             GOOD.replace("[train]", '[model]\nconfig = "huge"\n[train]'),
-            "FILE: model.config: expected one of cpu-tiny, cpu-tiny-learned, cpu-tiny-learned-no-q-lora, debugmodel,"
-            ' deepseek-v3 or a path to a Hugging Face config.json, got "huge"',
+            "FILE: model.config: expected one of cpu-tiny, cpu-tiny-learned, cpu-tiny-learned-no-q-lora,"
+            ' cpu-tiny-64e, debugmodel, deepseek-v3 or a path to a Hugging Face config.json, got "huge"',
         ),
         (
             GOOD + '[debug]\nfail_mode = "explode"\n',

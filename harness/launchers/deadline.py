@@ -42,23 +42,29 @@ class StackDumps:
 def dump_stacks_then_kill(
     run_dir: Path, group: LaunchGroup, dump: Callable[[], None], kill: Callable[[], None]
 ) -> StackDumps:
-    """Calls ``dump`` (SIGUSR1 to every rank), waits until each rank log there was has grown, at most
-    STACK_DUMP_WAIT_S, then calls ``kill``; returns which ranks' logs gained a stack dump."""
+    """Calls ``dump`` (SIGUSR1 to every rank), waits until each rank log there was holds a new stack
+    dump, at most STACK_DUMP_WAIT_S, then calls ``kill``; returns which ranks' logs gained one. Any
+    other line a rank writes meanwhile is no stack: the wait is for the dump itself."""
     logs = {rank: run_dir / group.log(rank) for rank in range(group.ranks)}
     sizes = {rank: _size(log) for rank, log in logs.items()}
     present = [rank for rank, log in logs.items() if log.is_file()]  # a rank without a log has not started
     dump()
     give_up = time.monotonic() + STACK_DUMP_WAIT_S
-    while time.monotonic() < give_up and any(_size(logs[rank]) == sizes[rank] for rank in present):
+    while time.monotonic() < give_up and not all(_stack_since(logs[rank], sizes[rank]) for rank in present):
         time.sleep(_POLL_S)
     kill()
-    dumped = sorted(rank for rank, log in logs.items() if _size(log) > sizes[rank] and _has_stack(log))
+    dumped = sorted(rank for rank, log in logs.items() if _stack_since(log, sizes[rank]))
     return StackDumps(dumped, sorted(set(logs) - set(dumped)))
 
 
-def _has_stack(log: Path) -> bool:
-    """Whether a rank log holds a faulthandler stack dump."""
-    return "(most recent call first)" in log.read_text(errors="replace")
+def _stack_since(log: Path, offset: int) -> bool:
+    """Whether a rank log holds a faulthandler stack dump past ``offset`` bytes."""
+    try:
+        with log.open("rb") as f:
+            f.seek(offset)
+            return b"(most recent call first)" in f.read()
+    except OSError:
+        return False
 
 
 def _size(log: Path) -> int:
