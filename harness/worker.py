@@ -51,11 +51,12 @@ from torch.distributed.elastic.multiprocessing.errors import ErrorHandler, recor
 
 import harness
 from harness.digests import HASH_EVERY, digest_all, final_weights, parameters_hash
+from harness.manifest import Manifest
 from harness.phases import PhaseLog
 from harness.records import DigestLine, JsonlWriter, RankLine, write_json_atomic
-from harness.rundir import MANIFEST, THROUGHPUT, ArmFiles, arm_files, phases_file
-from harness.specs import ArmSpec
-from harness.subject import Subject, load_subject
+from harness.rundir import THROUGHPUT, ArmFiles, arm_files, phases_file
+from harness.specs import ArmSpec, DebugSpec, SuiteSpec
+from harness.subject import Subject, subject_of
 from harness.subject.protocol import Arm, ArmContext, RankUpdate, StepRecord
 
 _PR_SET_PDEATHSIG = 1
@@ -163,12 +164,12 @@ def _init_process_group(device: str, backend: str) -> None:
         dist.init_process_group(backend)
 
 
-def _inject_fault(debug: dict[str, Any], arm: str, step: int, rank: int) -> bool:
+def _inject_fault(debug: DebugSpec, arm: str, step: int, rank: int) -> bool:
     """The [debug] table: make this rank raise, exit, hang or die by SIGKILL, or every rank stop
     the arm early without an error (as a trainer whose loop ends early), to prove the failure
     paths. Returns whether the arm goes on."""
-    mode = debug["fail_mode"]
-    if (debug["fail_step"], debug["fail_arm"]) != (step, arm) or (mode != "stop" and debug["fail_rank"] != rank):
+    mode = debug.fail_mode
+    if (debug.fail_step, debug.fail_arm) != (step, arm) or (mode != "stop" and debug.fail_rank != rank):
         return True
     print(f"[debug] injecting fail_mode={mode} on rank {rank}, arm {arm}, step {step}", flush=True)
     if mode == "stop":
@@ -255,7 +256,7 @@ def run_arm(
     subject: Subject,
     spec: ArmSpec,
     steps: int,
-    debug: dict[str, Any],
+    debug: DebugSpec,
     device: str,
     phases: PhaseLog,
     cache_dir: Path | None = None,
@@ -362,7 +363,7 @@ def _timed(copy: _TimedArm, steps: int, device: str) -> tuple[float, int, int]:
 def measure_throughput(
     run_dir: Path,
     subject: Subject,
-    suite: dict[str, Any],
+    suite: SuiteSpec,
     measurements: list[dict],
     device: str,
     phases: PhaseLog,
@@ -372,28 +373,27 @@ def measure_throughput(
         copy of an arm once and warms it up, then records per position the slowest rank's seconds and
         the largest peak memory of any rank to ``throughput.jsonl`` (process rank 0). Tokens per second
     count the tokens of the updates the block made (a filling pipeline makes fewer)."""
-    spec, debug = suite["throughput"], suite["debug"]
+    spec, debug = suite.throughput, suite.debug
     positions = collections.Counter(m["copy"] for m in measurements)
     arms = {m["copy"]: m["arm"] for m in measurements}
     with contextlib.ExitStack() as stack:
         copies = {}
         for copy, count in positions.items():
             arm = arms[copy]
-            slow = debug["slow_fraction"] if debug["slow_arm"] == arm else 0.0
-            steps = spec["warmup"] + count * spec["steps"]
+            slow = debug.slow_fraction if debug.slow_arm == arm else 0.0
+            steps = spec.warmup + count * spec.steps
             with phases.phase("build", arm=copy):
-                spec_of_arm = ArmSpec.from_dict(suite["arms"][arm])
-                copies[copy] = _TimedArm(subject, spec_of_arm, device, steps, slow, cache_dir)
+                copies[copy] = _TimedArm(subject, suite.arms[arm], device, steps, slow, cache_dir)
             stack.callback(copies[copy].arm.close)
         with phases.phase("warmup"):
             for copy in copies.values():
-                copy.run(spec["warmup"])
+                copy.run(spec.warmup)
         writer = stack.enter_context(JsonlWriter(run_dir / THROUGHPUT)) if dist.get_rank() == 0 else None
         with phases.phase("blocks"):
             for m in measurements:
                 timed = copies[m["copy"]]
                 first_step = timed.next_step
-                seconds, peak, tokens = _timed(timed, spec["steps"], device)
+                seconds, peak, tokens = _timed(timed, spec.steps, device)
                 worst = torch.tensor([seconds, float(peak)], dtype=torch.float64, device=device)
                 dist.all_reduce(worst, op=dist.ReduceOp.MAX)
                 seconds, peak = worst.tolist()
@@ -402,10 +402,10 @@ def measure_throughput(
                     writer.write(
                         {
                             **m,
-                            "steps": spec["steps"],
+                            "steps": spec.steps,
                             "first_step": first_step,
                             "seconds": seconds,
-                            "step_time_s": seconds / spec["steps"],
+                            "step_time_s": seconds / spec.steps,
                             "tokens_per_s": tokens / seconds,
                             "peak_memory_bytes": int(peak),
                             "timing": "cuda-events" if device == "cuda" else "wall",
@@ -416,10 +416,10 @@ def measure_throughput(
 @functools.partial(record, error_handler=ErrorFileInRoom())
 def main(argv: list[str]) -> None:
     run_dir, group_name = Path(argv[0]), argv[1]
-    manifest = json.loads((run_dir / MANIFEST).read_text())
-    suite = manifest["suite"]
+    manifest = Manifest.read(run_dir)
+    suite = manifest.spec()
     # The subject's modules are imports too, loaded before any process group exists.
-    subject = load_subject(suite["subject"], Path(suite["path"]).resolve().parent)
+    subject = subject_of(suite)
     entered = time.time()  # the imports (phases.py) end here
     # The imports made a few hundred thousand objects that live as long as the rank; frozen, they
     # are no longer walked by every full collection while the arms trace and train.
@@ -428,21 +428,20 @@ def main(argv: list[str]) -> None:
     sys.stdout.reconfigure(line_buffering=True)
     _die_with_parent()
     faulthandler.register(signal.SIGUSR1, all_threads=True)  # the watchdog's stack dump
-    group = next(g for g in manifest["launches"] if g["name"] == group_name)
-    cache_dir = Path(manifest["trace_cache"]) if manifest["trace_cache"] else None
-    device = manifest["device"]
+    group = manifest.launch(group_name)
+    cache_dir = Path(manifest.trace_cache) if manifest.trace_cache else None
+    device = manifest.device
     with JsonlWriter(phases_file(run_dir, group_name, int(os.environ["RANK"]))) as phase_file:
         phases = PhaseLog(phase_file.write)
         phases.add("imports", harness.IMPORTED_AT, entered)
         with phases.phase("rendezvous"):
-            _init_process_group(device, manifest["backend"])
+            _init_process_group(device, manifest.backend)
         print(f"rank {dist.get_rank()}/{dist.get_world_size()} of group {group_name}: pid {os.getpid()}", flush=True)
         if group["measurements"]:
             measure_throughput(run_dir, subject, suite, group["measurements"], device, phases, cache_dir)
         else:
             for arm in group["arms"]:
-                spec = ArmSpec.from_dict(suite["arms"][arm])
-                run_arm(run_dir, subject, spec, suite["steps"], suite["debug"], device, phases, cache_dir)
+                run_arm(run_dir, subject, suite.arms[arm], suite.steps, suite.debug, device, phases, cache_dir)
         with phases.phase("shutdown"):
             dist.destroy_process_group()
     # Every record is closed and the group is gone. A normal interpreter exit would now spend most

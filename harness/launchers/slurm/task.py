@@ -11,7 +11,6 @@ the task's own traceback if it raised, goes to the task's ``slurm/<job>_<task>_r
 
 from __future__ import annotations
 
-import json
 import os
 import random
 import signal
@@ -25,7 +24,7 @@ from typing import Any
 
 from harness.launchers import LaunchGroup
 from harness.launchers.slurm.jobs import result_file, write_result
-from harness.rundir import MANIFEST
+from harness.manifest import Manifest
 from harness.worker import AGENT_PID_ENV, release_error_room
 
 # Rendezvous ports are drawn from here up to the kernel's ephemeral range (the default's start if unreadable).
@@ -84,8 +83,7 @@ def _run_worker(run_dir: str, group_name: str, env: dict[str, str]) -> dict[str,
     stack dump the watch sends to every process of the job at --timeout."""
     rendezvous = rendezvous_env()
     rank = int(rendezvous["RANK"])
-    manifest = json.loads((Path(run_dir) / MANIFEST).read_text())
-    group = LaunchGroup(**next(g for g in manifest["launches"] if g["name"] == group_name))
+    group = LaunchGroup(**Manifest.read(run_dir).launch(group_name))
     log = Path(run_dir) / group.log(rank)
     log.parent.mkdir(parents=True, exist_ok=True)
     errors = Path(run_dir) / group.error_file(rank)
