@@ -21,6 +21,7 @@ from harness.launchers import LaunchGroup
 from harness.launchers.slurm.jobs import RESULT_FILE, SlurmJob, read_results
 from harness.launchers.slurm.profile import SlurmProfile, executor_parameters, job_shape
 from harness.launchers.slurm.task import rendezvous_env, rendezvous_port, run_task
+from harness.manifest import ManifestError
 from harness.suites import SuiteError
 
 REPO = Path(__file__).resolve().parent.parent
@@ -234,11 +235,11 @@ def test_a_task_that_raises_itself_leaves_its_traceback_as_json(
         monkeypatch.setenv(key, "stale")  # restored after the test; the task exports them
     monkeypatch.setenv("MASTER_PORT", "29511")
     (tmp_path / "slurm").mkdir()
-    with pytest.raises(FileNotFoundError):
+    with pytest.raises(ManifestError, match="manifest.json: not readable"):
         run_task(str(tmp_path), "procs", {})
     results = read_results(tmp_path, SlurmJob("procs", "42", nodes=2, tasks_per_node=1))
     assert set(results) == {1} and results[1]["exitcode"] == 1, f"read_results: expected task 1 failed, got {results}"
-    assert "FileNotFoundError" in results[1]["traceback"] and "manifest.json" in results[1]["traceback"]
+    assert "ManifestError" in results[1]["traceback"] and "manifest.json" in results[1]["traceback"]
 
 
 @pytest.mark.parametrize(
