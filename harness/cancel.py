@@ -17,8 +17,6 @@ import signal
 import sys
 from types import FrameType
 
-from harness.compare import CheckResult
-
 SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
 
@@ -54,12 +52,3 @@ class Cancellation:
             raise Cancelled(signum)
         print(f"\n{signal.Signals(signum).name} again: aborting at once", file=sys.stderr, flush=True)
         os._exit(128 + self.signum)
-
-
-def cancelled_check(cancelled: Cancelled, elapsed_s: float) -> CheckResult:
-    """The check that ends a cancelled run: what stopped it, when, and that its records are kept."""
-    detail = (
-        f"{cancelled}: the run stopped after {elapsed_s:.1f} s; every step recorded until then is"
-        " kept under arms/ (summary.arms says how many)"
-    )
-    return CheckResult("cancelled", "cancelled", "error", detail)

@@ -44,12 +44,12 @@ from typing import TextIO
 
 from harness.cancel import Cancellation, Cancelled
 from harness.golden import GoldenError
-from harness.prepare import REPORTS_DIR, RunOptions, UsageError, check_device, fresh_dir, harness_log
+from harness.prepare import RunOptions, UsageError, check_device
 from harness.records import write_json_atomic
 from harness.report.html import write_ci_index
 from harness.report.junit import junit_testsuite, read_testsuites, write_merged_junit
 from harness.run import run_suite
-from harness.rundir import HARNESS_LOG, JUNIT, REPORT, SUMMARY
+from harness.rundir import HARNESS_LOG, JUNIT, REPORT, REPORTS_DIR, SUMMARY, fresh_dir, harness_log
 from harness.specs import SuiteSpec
 from harness.verdict import EXIT_FAIL, EXIT_INCONCLUSIVE, EXIT_INFRA, EXIT_PASS, EXIT_USAGE
 

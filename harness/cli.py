@@ -30,6 +30,7 @@ from harness.launchers.slurm.profile import load_profile
 from harness.outputs import rerender
 from harness.prepare import GOLDEN_DIR, RunOptions, UsageError, trace_cache_dir
 from harness.run import run_suite
+from harness.rundir import RunDirError
 from harness.shipped import inside_package
 from harness.slurm_run import collect_run, submit_suite
 from harness.suites import SUITES_DIR, SuiteError, list_suites, load_suite
@@ -320,7 +321,7 @@ def _main(argv: list[str]) -> int:
     args = build_parser().parse_args(argv)
     try:
         return _command(args, argv)
-    except (SuiteError, UsageError, GoldenError) as e:
+    except (SuiteError, UsageError, GoldenError, RunDirError) as e:
         print(f"error: {e}", file=sys.stderr)
         return EXIT_USAGE
     except Cancelled as e:

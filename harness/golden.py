@@ -180,7 +180,8 @@ def golden_from_metrics(
     metrics: dict[str, pd.DataFrame],
     metrics_names: tuple[str, ...] = ("loss", "grad_norm"),
 ) -> Golden:
-    """Builds a golden from a run's per-arm metrics; refuses missing or non-finite values."""
+    """Builds a golden from a run's per-arm metrics; refuses missing or non-finite values.
+    ``tier_spec`` is a validated tier in its normal form (``SuiteSpec.golden_tier``)."""
     arms = {}
     for arm, frame in metrics.items():
         for name in metrics_names:
@@ -189,17 +190,8 @@ def golden_from_metrics(
             bad = frame.index[~np.isfinite(frame[name].astype("float64"))].tolist()
             if bad:
                 raise ValueError(f"cannot record golden: arm '{arm}' {name} is non-finite at steps {format_steps(bad)}")
-        arms[arm] = {name: _trajectory(frame[name]) for name in metrics_names}
-    obj = {
-        "schema": SCHEMA,
-        "suite": suite,
-        "env_key": env_key,
-        "provenance": dict(provenance),
-        "config": config,
-        "tier": tier_from_spec(tier_spec).spec(),
-        "arms": arms,
-    }
-    return _parse(obj, f"new golden {suite}/{env_key}")
+        arms[arm] = {name: frame[name].astype("float64").rename_axis("step").sort_index() for name in metrics_names}
+    return Golden(suite, env_key, dict(provenance), json.loads(json.dumps(config)), dict(tier_spec), arms)
 
 
 def write_golden(path: Path, golden: Golden) -> None:
@@ -316,6 +308,7 @@ class GoldenPlan:
     tier: dict | None = None  # check's tier: the golden's own, or the cross-environment tier
     note: str | None = None  # one console line before the run: what will be compared and how, or why nothing is
     root: Path | None = None  # the golden root (--golden-dir) the paths are shown against
+    how: str | None = None  # the tier in words ("bit for bit")
 
     @property
     def cross_env(self) -> bool:
@@ -346,7 +339,8 @@ class GoldenPlan:
         compared = record["compared"]
         root = Path(record["root"]) if record["root"] else None
         golden = load_golden(Path(compared)) if compared else None
-        return cls(record["mode"], Path(record["path"]), golden, record["tier"], record["note"], root)
+        how = tier_from_spec(record["tier"]).describe() if record["tier"] else None
+        return cls(record["mode"], Path(record["path"]), golden, record["tier"], record["note"], root, how)
 
     def summary(self, outcome: str | None) -> dict:
         """summary.json's ``golden``: the plan announced before the run and the ``outcome`` judged
@@ -370,7 +364,7 @@ class GoldenPlan:
         differ = sum(c.status == "fail" for c in judged)
         unjudged = sum(c.kind == "golden" for c in checks) - len(judged)
         rest = f"; {unjudged} not evaluated" if unjudged else ""
-        where, how = self.shown(self.compared), tier_from_spec(self.tier).describe()
+        where, how = self.shown(self.compared), self.how
         if not judged:
             return f"golden: {unjudged} checks against {where} not evaluated" if unjudged else None
         if differ:
@@ -404,8 +398,9 @@ def update_golden(plan: GoldenPlan, suite: SuiteSpec, manifest: Manifest, metric
     new = golden_from_metrics(
         suite.name, manifest.env_key, provenance, config, suite.golden_tier, metrics, suite.golden_metrics
     )
+    diff = diff_summary(plan.golden, new)
     write_golden(plan.path, new)
-    return "\n".join(filter(None, [plan.note, diff_summary(plan.golden, new), f"wrote {plan.shown(plan.path)}"]))
+    return "\n".join(filter(None, [plan.note, diff, f"wrote {plan.shown(plan.path)}"]))
 
 
 def plan_golden(
@@ -420,8 +415,14 @@ def plan_golden(
     """
     path = golden_dir / suite / f"{key}.json"
 
-    def plan(mode: str, golden: Golden | None = None, tier: dict | None = None, note: str | None = None) -> GoldenPlan:
-        return GoldenPlan(mode, path, golden, tier, note, golden_dir)
+    def plan(
+        mode: str,
+        golden: Golden | None = None,
+        tier: dict | None = None,
+        note: str | None = None,
+        how: str | None = None,
+    ) -> GoldenPlan:
+        return GoldenPlan(mode, path, golden, tier, note, golden_dir, how)
 
     def shown(where: Path) -> str:
         return shown_path(where, golden_dir)
@@ -456,7 +457,7 @@ def plan_golden(
     how = tier_from_spec(tier).describe()
     where = shown(source) if source == path else f"{shown(source)} (cross-environment: no golden for {key})"
     prefix = f", its first {config['steps']} of {golden.steps} steps" if config["steps"] < golden.steps else ""
-    return plan("check", golden, tier, f"golden: will compare with {where}{prefix}, {how}")
+    return plan("check", golden, tier, f"golden: will compare with {where}{prefix}, {how}", how)
 
 
 def _load_for(path: Path, suite: str) -> Golden:

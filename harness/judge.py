@@ -15,21 +15,18 @@ import logging
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from harness.cancel import Cancelled, cancelled_check
+from harness.cancel import Cancelled
 from harness.checks import run_check
-from harness.checks.golden import golden_check
-from harness.checks.throughput import gate_check
 from harness.compare import CheckResult
 from harness.environment import CpuPin
-from harness.golden import GoldenPlan, update_golden
+from harness.golden import update_golden
 from harness.launchers import LaunchGroup, LaunchResult
 from harness.launching import Launched
 from harness.prepare import PreparedRun
 from harness.records import ArmRecords, RunRecords
-from harness.specs import SuiteSpec
-from harness.throughput import separate_launches
+from harness.specs import CheckSpec, SuiteSpec
 from harness.triage import REGRESSION
-from harness.verdict import EXIT_PASS, apply_expectations, mark_not_evaluated, unrun_arms, verdict_of
+from harness.verdict import EXIT_PASS, apply_expectations, conclude, mark_not_evaluated, unrun_arms
 
 log = logging.getLogger("harness")
 
@@ -60,11 +57,7 @@ def judge(run: PreparedRun, launched: Launched, records: RunRecords) -> Judgemen
     except Exception as e:
         log.exception("internal error while judging the suite")
         checks = [CheckResult("harness", "internal-error", "error", f"internal error: {type(e).__name__}: {e}")]
-    if cancelled is not None:
-        checks = [*checks, cancelled_check(cancelled, launched.elapsed_s())]
-        verdict, exit_code = "cancelled", cancelled.exit_code
-    else:
-        verdict, exit_code = verdict_of(checks)
+    checks, verdict, exit_code = conclude(checks, cancelled, launched.elapsed_s())
     golden = run.golden
     news = golden.outcome(checks)
     if golden.mode == "update":
@@ -74,18 +67,17 @@ def judge(run: PreparedRun, launched: Launched, records: RunRecords) -> Judgemen
             try:
                 news = update_golden(golden, run.suite, run.manifest, metrics)
             except Cancelled as c:  # the golden is replaced atomically: the old one stays
-                checks = [*checks, cancelled_check(c, launched.elapsed_s())]
-                verdict, exit_code, news = "cancelled", c.exit_code, f"not updating {golden.shown(golden.path)}: {c}"
+                checks, verdict, exit_code = conclude(checks, c, launched.elapsed_s())
+                news = f"not updating {golden.shown(golden.path)}: {c}"
     return Judgement(checks, verdict, exit_code, news.splitlines()[-1] if news else None, news)
 
 
 def _checks(run: PreparedRun, launched: Launched, records: RunRecords) -> list[CheckResult]:
     if launched.internal_error:
         return [CheckResult("harness", "internal-error", "error", launched.internal_error)]
-    if run.suite.throughput:
-        gate = gate_check(run.suite.throughput, separate_launches(run.groups))
-        return [*launch_checks(launched.results), *run_check(gate, run.suite, records)]
-    return collect_checks(run.suite, run.groups, launched.results, records, run.golden, run.pin)
+    if run.suite.throughput:  # the gate alone: a throughput run records block rows, not steps
+        return [*launch_checks(launched.results), *_run(run.checks, run.suite, records)]
+    return collect_checks(run.suite, run.checks, run.groups, launched.results, records, run.pin)
 
 
 def launch_checks(launches: list[LaunchResult]) -> list[CheckResult]:
@@ -128,18 +120,20 @@ def record_checks(
 
 def collect_checks(
     suite: SuiteSpec,
+    planned: list[CheckSpec],
     groups: list[LaunchGroup],
     launches: list[LaunchResult],
     records: RunRecords,
-    golden: GoldenPlan,
     pin: CpuPin | None,
 ) -> list[CheckResult]:
-    """Rank failures first, then the records, the suite's checks and the golden's, all on whatever
-    the arms recorded: a check never passes on steps that did not run, and a check of an arm that a
-    failed launch never ran is not evaluated (verdict.py)."""
+    """Rank failures first, then the records, then the planned checks (the suite's and the
+    golden's), all on whatever the arms recorded: a check never passes on steps that did not run,
+    and a check of an arm that a failed launch never ran is not evaluated (verdict.py)."""
     failures = launch_checks(launches)
-    checks = record_checks(suite, records, pin, crashed=bool(failures))
-    for check in filter(None, [*suite.checks, golden_check(golden, suite)]):
-        checks += run_check(check, suite, records)
+    checks = [*record_checks(suite, records, pin, crashed=bool(failures)), *_run(planned, suite, records)]
     checks = mark_not_evaluated(checks, unrun_arms(suite, groups, launches, records))
     return [*failures, *apply_expectations(suite, checks)]
+
+
+def _run(planned: list[CheckSpec], suite: SuiteSpec, records: RunRecords) -> list[CheckResult]:
+    return [result for check in planned for result in run_check(check, suite, records)]

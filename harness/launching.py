@@ -9,9 +9,9 @@ and the ranks' records stay on disk for the judge.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import TextIO
 
@@ -20,7 +20,7 @@ from harness.launchers import GroupLauncher, LaunchContext, LaunchResult
 from harness.phases import cache_notes, read_rank_phases
 from harness.prepare import PreparedRun
 from harness.progress import BlockProgress, Progress
-from harness.subject import subject_of
+from harness.rundir import THROUGHPUT, arm_files
 
 log = logging.getLogger("harness")
 
@@ -40,47 +40,40 @@ class Launched:
 
 
 def launch_run(run: PreparedRun, launch: GroupLauncher, out: TextIO, err: TextIO) -> Launched:
-    """Runs the groups of ``run`` with ``launch``; prints each group's error, then what the trace cache did."""
-    launched = Launched()
+    """Runs the groups of ``run`` with ``launch`` until the first failure; prints its error once the
+    live progress is closed, then what the trace cache did where it went wrong."""
+    launched, options = Launched(), run.options
+    env = run.pin.env if run.pin else {}
     try:
-        for result in _launch_groups(run, launch, out):
-            launched.results.append(result)
-            if result.error:
-                print(f"error: {result.error}", file=err)
+        with contextlib.closing(_progress(run, out)) as progress:
+            deadline = time.monotonic() + options.timeout_s
+            context = LaunchContext(run.run_dir, deadline, options.timeout_s, env, progress.tick, run.subject.source)
+            for group in run.groups:
+                with run.phases.phase("launch", group=group.name):
+                    result = launch(group, context)
+                log.info("group %s: %s", group.name, result.headline or "ok")
+                launched.results.append(result)
+                if not result.ok:
+                    break
     except Cancelled as c:
         launched.cancelled = c
     except Exception as e:
         log.exception("internal error while launching the suite")
         launched.internal_error = f"internal error: {type(e).__name__}: {e}"
+    for result in launched.results:
+        if result.error:
+            print(f"error: {result.error}", file=err)
     for line in cache_notes({group.name: read_rank_phases(run.run_dir, group.name) for group in run.groups}):
         print(line, file=out)
         log.info(line)
     return launched
 
 
-def _launch_groups(run: PreparedRun, launch: GroupLauncher, out: TextIO) -> Iterator[LaunchResult]:
-    """Each group's result as it ends; the first failure ends the run."""
-    suite, options = run.suite, run.options
-    spec = suite.throughput
+def _progress(run: PreparedRun, out: TextIO) -> Progress | BlockProgress:
+    """The live progress of a run: per arm, or per ABBA role of a throughput run."""
+    spec, verbose = run.suite.throughput, run.options.verbose
+    metrics = {arm: arm_files(run.run_dir, arm).metrics for group in run.groups for arm in group.arms}
     if spec:
         roles = {"A": spec.a, "B": spec.b, **({"control": spec.a} if spec.control else {})}
-        progress: Progress | BlockProgress = BlockProgress(run.run_dir, roles, spec.blocks, out, options.verbose)
-    else:
-        arms = [arm for group in run.groups for arm in group.arms]
-        progress = Progress(run.run_dir, arms, suite.steps, out, options.verbose)
-    deadline = time.monotonic() + options.timeout_s
-    env = run.pin.env if run.pin else {}
-    source = subject_of(suite).source
-    context = LaunchContext(run.run_dir, deadline, options.timeout_s, env, progress.tick, source)
-    try:
-        for group in run.groups:
-            with run.phases.phase("launch", group=group.name):
-                result = launch(group, context)
-            log.info("group %s: %s", group.name, result.headline or "ok")
-            if not result.ok:
-                progress.close()  # its last state stays above the error the caller prints
-            yield result
-            if not result.ok:
-                return
-    finally:
-        progress.close()
+        return BlockProgress(run.run_dir / THROUGHPUT, roles, spec.blocks, out, verbose)
+    return Progress(metrics, run.suite.steps, out, verbose)

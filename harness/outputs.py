@@ -18,7 +18,7 @@ from typing import Any, TextIO
 
 import pandas as pd
 
-from harness.cancel import Cancelled, cancelled_check
+from harness.cancel import Cancelled
 from harness.compare import CheckResult
 from harness.golden import Golden, GoldenError, load_golden
 from harness.judge import Judgement
@@ -29,8 +29,9 @@ from harness.phases import PhaseLog, read_rank_phases, timeline
 from harness.prepare import PreparedRun, UsageError
 from harness.records import RecordError, RunRecords, naming_file, read_metrics, write_json_atomic
 from harness.report import format_verdict_table, read_throughput, write_html, write_junit
+from harness.report.checks import status_counts
 from harness.rundir import JUNIT, REPORT, SUMMARY, arm_files
-from harness.verdict import EXIT_FAIL, EXIT_INFRA, EXIT_PASS, status_counts
+from harness.verdict import EXIT_FAIL, EXIT_INFRA, EXIT_PASS, cancelled_check
 
 SCHEMA_VERSION = 1
 log = logging.getLogger("harness")

@@ -19,7 +19,7 @@ from collections import Counter
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
-from harness.rundir import phases_file
+from harness.rundir import PHASES_DIR
 
 USUAL_CACHE_STATUSES = frozenset({"hit", "miss", "off"})  # a trace cache entry's status that needs no word
 
@@ -56,7 +56,7 @@ class PhaseLog:
 def read_rank_phases(run_dir: Path, group: str) -> dict[int, list[dict]]:
     """Every rank's recorded phases of one launch group; a line cut short by a crash is dropped."""
     phases = {}
-    for path in sorted(phases_file(run_dir, group, 0).parent.glob(f"{group}.rank*.jsonl")):
+    for path in sorted((Path(run_dir) / PHASES_DIR).glob(f"{group}.rank*.jsonl")):  # rundir.phases_file
         rank = int(path.stem.rsplit(".rank", 1)[1])
         lines = []
         for line in path.read_text(encoding="utf-8").splitlines():

@@ -12,8 +12,6 @@ import logging
 import os
 import sys
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
@@ -23,20 +21,18 @@ import torch
 
 import harness
 from harness.cancel import Cancellation
+from harness.checks import planned_checks
 from harness.environment import CpuPin, backend_for, cpu_pin, device_class, run_env_key, versions
 from harness.golden import GoldenPlan, golden_config, plan_golden
 from harness.launchers import LaunchGroup, plan_launches
 from harness.manifest import Manifest, ManifestError
 from harness.phases import PhaseLog
-from harness.records import QuietFileHandler
-from harness.rundir import HARNESS_LOG, LOGS_DIR
+from harness.rundir import harness_log, make_run_dir
 from harness.shipped import shipped_dir
-from harness.specs import SuiteSpec
-from harness.subject import Subject, subject_of
+from harness.specs import CheckSpec, SuiteSpec
+from harness.subject import Subject, subject_of, usable_trace_cache
 from harness.throughput import plan_throughput_launches
 
-# Run directories go under ./reports of the working directory: never into an installed package.
-REPORTS_DIR = Path("reports")
 TRACE_ENV = "HARNESS_TRACE_CACHE"
 # The shipped goldens; HARNESS_GOLDEN_DIR moves the default golden root (a CI cache, a test's empty directory).
 GOLDEN_DIR = Path(os.environ.get("HARNESS_GOLDEN_DIR", shipped_dir("golden")))
@@ -78,15 +74,6 @@ def trace_cache_dir(flag: str | None) -> Path | None:
     return path
 
 
-def usable_trace_cache(path: Path | None, subject: Subject) -> tuple[Path | None, str | None]:
-    """The trace cache the ranks may use (None: off), and the line saying why not when the subject
-    finds its folder unsafe (the reference: reference/chunking/trace_cache.py): the run then traces,
-    and is judged on its merits."""
-    problem = getattr(subject, "cache_problem", None)
-    why = problem(path) if path is not None and problem is not None else None
-    return (None, why) if why else (path, None)
-
-
 def check_device(suite: SuiteSpec, device: str) -> None:
     if device != "cuda":
         return
@@ -94,84 +81,6 @@ def check_device(suite: SuiteSpec, device: str) -> None:
     have = torch.cuda.device_count() if torch.cuda.is_available() else 0
     if have < needed:
         raise UsageError(f"--device cuda: suite {suite.name} needs {needed} GPUs (one per rank), {have} visible")
-
-
-def fresh_dir(path: Path, what: str) -> Path:
-    """``--out DIR``: a new or empty directory, made with its ``logs/``; else exit 2 naming it."""
-    if path.exists() and (not path.is_dir() or any(path.iterdir())):
-        raise UsageError(f"--out {path}: exists and is not an empty directory")
-    try:
-        path.mkdir(parents=True, exist_ok=True)
-        (path / LOGS_DIR).mkdir()
-    except OSError as e:
-        raise UsageError(f"--out {path}: cannot create the {what}: {e.strerror}") from None
-    return path
-
-
-def make_run_dir(suite: SuiteSpec, out: Path | None) -> Path:
-    """``--out DIR`` (new or empty), else ./reports/<suite>/<UTC timestamp>[-n], never reused."""
-    if out is not None:
-        return fresh_dir(out, "run directory")
-    stamp = datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%SZ")
-    base = REPORTS_DIR.absolute() / suite.name
-    try:
-        base.mkdir(parents=True, exist_ok=True)
-        for n in range(1, 1000):
-            path = base / (stamp if n == 1 else f"{stamp}-{n}")
-            try:
-                path.mkdir()
-            except FileExistsError:
-                continue
-            (path / LOGS_DIR).mkdir()
-            return path
-    except OSError as e:
-        raise UsageError(f"{base}: cannot create a run directory ({e.strerror}); choose one with --out DIR") from None
-    raise UsageError(f"{base}: cannot create a run directory for {stamp}")
-
-
-@contextmanager
-def harness_log(run_dir: Path) -> Iterator[Path]:
-    """The harness's own log for one run, logs/harness.log: decisions, and every traceback."""
-    path = run_dir / HARNESS_LOG
-    handler = QuietFileHandler(path)
-    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(message)s"))
-    log.addHandler(handler)
-    log.setLevel(logging.INFO)
-    try:
-        yield path
-    finally:
-        log.removeHandler(handler)
-        handler.close()
-
-
-def build_manifest(
-    suite: SuiteSpec,
-    options: RunOptions,
-    key: str,
-    pin: CpuPin | None,
-    golden: GoldenPlan,
-    config: dict,
-    groups: list[LaunchGroup],
-) -> Manifest:
-    """The run's manifest; ``config`` is what its golden is recorded for (golden_config)."""
-    return Manifest(
-        command=list(options.command),
-        created=datetime.now(timezone.utc).isoformat(timespec="seconds"),
-        suite=suite.to_dict(),
-        versions=versions(),
-        device=options.device,
-        device_class=device_class(options.device, pin),
-        cpu_isa=pin.to_dict() if pin else None,
-        backend=backend_for(options.device),
-        ranks=suite.ranks,
-        seed=sorted({arm.seed for arm in suite.arms.values()}),
-        env_key=key,
-        golden_config=config,
-        launches=[dataclasses.asdict(g) for g in groups],
-        golden=golden.record(),
-        timeout_s=options.timeout_s,
-        trace_cache=str(options.trace_cache) if options.trace_cache else None,
-    )
 
 
 @dataclass(frozen=True)
@@ -188,6 +97,8 @@ class PreparedRun:
     groups: list[LaunchGroup]
     manifest: Manifest
     phases: PhaseLog  # the harness process's own (phases.py): start and prepare so far
+    subject: Subject  # the system under test (subject/protocol.py)
+    checks: list[CheckSpec]  # what the run is judged by: the suite's and the golden's, or the gate
 
 
 def plan_groups(suite: SuiteSpec) -> list[LaunchGroup]:
@@ -204,27 +115,40 @@ def prepare_run(
     began = time.time()
     if local_devices:
         check_device(suite, options.device)
-    pin = cpu_pin(options.cpu_isa) if options.device == "cpu" else None
-    key = run_env_key(options.device, suite.dtype, pin)
     if suite.throughput and options.golden == "update":
         raise UsageError(f"suite {suite.name}: a throughput run records no golden")
+    groups = plan_groups(suite)
+    pin = cpu_pin(options.cpu_isa) if options.device == "cpu" else None
+    key = run_env_key(options.device, suite.dtype, pin)
     config = golden_config(suite)
-    golden = plan_golden(
-        suite.name,
-        config,
-        key,
-        "off" if suite.throughput else options.golden,
-        options.golden_dir,
-        suite.golden_cross_env,
-    )
+    requested = "off" if suite.throughput else options.golden
+    golden = plan_golden(suite.name, config, key, requested, options.golden_dir, suite.golden_cross_env)
     if suite.throughput:
         golden = dataclasses.replace(golden, note=None)  # nothing to say: step times have no golden
-    run_dir = make_run_dir(suite, options.out)
+    checks = planned_checks(suite, golden, groups)
+    run_dir = make_run_dir(suite.name, options.out)
     with harness_log(run_dir), Cancellation():
-        trace_cache, cache_note = usable_trace_cache(options.trace_cache, subject_of(suite))
+        subject = subject_of(suite)
+        trace_cache, cache_note = usable_trace_cache(options.trace_cache, subject)
         options = dataclasses.replace(options, trace_cache=trace_cache)
-        groups = plan_groups(suite)
-        manifest = build_manifest(suite, options, key, pin, golden, config, groups)
+        manifest = Manifest(
+            command=list(options.command),
+            created=datetime.now(timezone.utc).isoformat(timespec="seconds"),
+            suite=suite.to_dict(),
+            versions=versions(),
+            device=options.device,
+            device_class=device_class(options.device, pin),
+            cpu_isa=pin.to_dict() if pin else None,
+            backend=backend_for(options.device),
+            ranks=suite.ranks,
+            seed=sorted({arm.seed for arm in suite.arms.values()}),
+            env_key=key,
+            golden_config=config,  # what its golden is recorded for
+            launches=[dataclasses.asdict(g) for g in groups],
+            golden=golden.record(),
+            timeout_s=options.timeout_s,
+            trace_cache=str(trace_cache) if trace_cache else None,
+        )
         manifest.write(run_dir)
         for line in filter(None, [pin.note if pin else None, golden.note, cache_note]):
             print(line, file=out)
@@ -232,7 +156,7 @@ def prepare_run(
     phases = PhaseLog()
     phases.add("start", harness.IMPORTED_AT, began)  # the interpreter's imports, the command line, the suite
     phases.add("prepare", began, time.time())
-    return PreparedRun(run_dir, suite, options, key, pin, golden, groups, manifest, phases)
+    return PreparedRun(run_dir, suite, options, key, pin, golden, groups, manifest, phases, subject, checks)
 
 
 def read_prepared(run_dir: Path, suite: SuiteSpec, options: RunOptions) -> PreparedRun:
@@ -255,7 +179,8 @@ def read_prepared(run_dir: Path, suite: SuiteSpec, options: RunOptions) -> Prepa
     options = dataclasses.replace(options, device=manifest.device, command=tuple(manifest.command))
     phases = PhaseLog()
     phases.add("start", harness.IMPORTED_AT, time.time())
-    return PreparedRun(run_dir, suite, options, manifest.env_key, pin, plan, groups, manifest, phases)
+    subject, checks = subject_of(suite), planned_checks(suite, plan, groups)
+    return PreparedRun(run_dir, suite, options, manifest.env_key, pin, plan, groups, manifest, phases, subject, checks)
 
 
 def _plain(value: object) -> object:

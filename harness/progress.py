@@ -1,8 +1,8 @@
 """The console while ranks run: progress read from the records they stream.
 
 ``Progress`` follows each arm's ``metrics.jsonl`` (one line per step), ``BlockProgress`` the
-run's ``throughput.jsonl`` (one line per ABBA block position). Both are driven by ``tick()``
-from the launcher's watchdog thread and ended by ``close()``.
+run's ``throughput.jsonl`` (one line per ABBA block position); the caller names the files. Both
+are driven by ``tick()`` from the launcher's watchdog thread and ended by ``close()``.
 
 On an interactive terminal they draw one live line per arm with rich: a bar, the step (or
 block) counter, the latest loss (or step times), the elapsed time and the ETA. An arm that has
@@ -32,8 +32,6 @@ from rich.progress import (
 )
 from rich.progress import Progress as RichProgress
 from rich.text import Text
-
-from harness.rundir import THROUGHPUT, arm_files
 
 # A line's state, and how it reads where no ETA shows. "running" shows the ETA instead.
 _STATE_LABELS = {
@@ -167,14 +165,16 @@ class _LiveLines:
 class Progress:
     """Per-arm "step k/N" and loss, read from the metrics.jsonl the ranks stream.
 
-    ``arms`` in the order they run (launch group by launch group), so the next to run is known.
+    ``metrics`` maps each arm to its metrics.jsonl, in the order the arms run (launch group by
+    launch group), so the next to run is known.
     """
 
     def __init__(
-        self, run_dir: Path, arms: list[str], steps: int, stream: TextIO = sys.stdout, verbose: bool = False
+        self, metrics: dict[str, Path], steps: int, stream: TextIO = sys.stdout, verbose: bool = False
     ) -> None:
+        arms = list(metrics)
         self.arms, self.steps, self.stream = arms, steps, stream
-        self._metrics = {arm: _JsonlTail(arm_files(run_dir, arm).metrics) for arm in arms}
+        self._metrics = {arm: _JsonlTail(path) for arm, path in metrics.items()}
         self._done = dict.fromkeys(arms, 0)
         self._latest: dict[str, dict] = {}  # each arm's last metrics record
         console = _live_console(stream, verbose)
@@ -243,14 +243,15 @@ class BlockProgress:
     the throughput.jsonl that process rank 0 streams (one line per block position).
 
     ``arms`` maps a role to its arm: "A" and "B" (the main series), and "control" when the A/A
-    control runs (its lines are series "control", both of its roles on the one line).
+    control runs (its lines are series "control", both of its roles on the one line);
+    ``throughput`` is the run's throughput.jsonl.
     """
 
     def __init__(
-        self, run_dir: Path, arms: dict[str, str], blocks: int, stream: TextIO = sys.stdout, verbose: bool = False
+        self, throughput: Path, arms: dict[str, str], blocks: int, stream: TextIO = sys.stdout, verbose: bool = False
     ) -> None:
         self.arms, self.blocks, self.stream = arms, blocks, stream
-        self._throughput = _JsonlTail(run_dir / THROUGHPUT)
+        self._throughput = _JsonlTail(throughput)
         self._step_times: dict[str, list[float]] = {role: [] for role in arms}
         self._last_block = dict.fromkeys(arms, 0)
         console = _live_console(stream, verbose)

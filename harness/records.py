@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import glob
 import json
-import logging
 import os
 import tempfile
 import time
@@ -51,18 +50,6 @@ def naming_file(path: Path | str) -> Iterator[None]:
         if e.filename is None:
             e.filename = str(path)
         raise
-
-
-class QuietFileHandler(logging.FileHandler):
-    """A log file that, when it cannot be written (a full disk), says nothing and raises nothing:
-    logging's own report would print a traceback on the console, above the error that matters."""
-
-    def handleError(self, record: logging.LogRecord) -> None:
-        pass
-
-    def close(self) -> None:
-        with suppress(OSError):  # its last flush
-            super().close()
 
 
 class JsonlWriter:

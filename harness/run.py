@@ -32,9 +32,10 @@ from harness.launchers import GroupLauncher
 from harness.launchers.local import launch_group
 from harness.launching import launch_run
 from harness.outputs import write_outputs
-from harness.prepare import PreparedRun, RunOptions, harness_log, prepare_run
+from harness.prepare import PreparedRun, RunOptions, prepare_run
 from harness.records import RunRecords, read_records
 from harness.report.figures import import_in_background
+from harness.rundir import harness_log
 from harness.specs import SuiteSpec
 
 

@@ -9,11 +9,18 @@ here and nowhere else (the README's "Run directory" lists what each file holds):
                    events.rank<k>.jsonl ranks.rank<k>.jsonl pec.rank<k>.jsonl weights.rank<k>.json
     phases/<group>.rank<k>.jsonl
     logs/          harness.log, and each launch group's rank logs
+
+A run directory is made here too (:func:`make_run_dir`), never reused, with the harness's own log
+(:func:`harness_log`).
 """
 
 from __future__ import annotations
 
+import logging
+from collections.abc import Iterator
+from contextlib import contextmanager, suppress
 from dataclasses import dataclass
+from datetime import datetime, timezone
 from pathlib import Path
 
 MANIFEST = "manifest.json"
@@ -26,6 +33,13 @@ PHASES_DIR = "phases"
 LOGS_DIR = "logs"
 HARNESS_LOG = f"{LOGS_DIR}/harness.log"
 LAUNCHER_LOG = f"{LOGS_DIR}/launcher.log"  # the elastic agent's own messages
+# Run directories go under ./reports of the working directory: never into an installed package.
+REPORTS_DIR = Path("reports")
+log = logging.getLogger("harness")
+
+
+class RunDirError(Exception):
+    """A run directory that cannot be made where asked; one line naming it, exit code 2."""
 
 
 @dataclass(frozen=True)
@@ -83,3 +97,63 @@ def arm_files(run_dir: Path, arm: str) -> ArmFiles:
 def phases_file(run_dir: Path, group: str, rank: int) -> Path:
     """Process rank ``rank``'s phases in launch group ``group``."""
     return Path(run_dir) / PHASES_DIR / f"{group}.rank{rank}.jsonl"
+
+
+def fresh_dir(path: Path, what: str) -> Path:
+    """``--out DIR``: a new or empty directory, made with its ``logs/``; else RunDirError naming it."""
+    if path.exists() and (not path.is_dir() or any(path.iterdir())):
+        raise RunDirError(f"--out {path}: exists and is not an empty directory")
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        (path / LOGS_DIR).mkdir()
+    except OSError as e:
+        raise RunDirError(f"--out {path}: cannot create the {what}: {e.strerror}") from None
+    return path
+
+
+def make_run_dir(suite: str, out: Path | None) -> Path:
+    """``--out DIR`` (new or empty), else ./reports/<suite>/<UTC timestamp>[-n], never reused."""
+    if out is not None:
+        return fresh_dir(out, "run directory")
+    stamp = datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%SZ")
+    base = REPORTS_DIR.absolute() / suite
+    try:
+        base.mkdir(parents=True, exist_ok=True)
+        for n in range(1, 1000):
+            path = base / (stamp if n == 1 else f"{stamp}-{n}")
+            try:
+                path.mkdir()
+            except FileExistsError:
+                continue
+            (path / LOGS_DIR).mkdir()
+            return path
+    except OSError as e:
+        raise RunDirError(f"{base}: cannot create a run directory ({e.strerror}); choose one with --out DIR") from None
+    raise RunDirError(f"{base}: cannot create a run directory for {stamp}")
+
+
+class QuietFileHandler(logging.FileHandler):
+    """A log file that, when it cannot be written (a full disk), says nothing and raises nothing:
+    logging's own report would print a traceback on the console, above the error that matters."""
+
+    def handleError(self, record: logging.LogRecord) -> None:
+        pass
+
+    def close(self) -> None:
+        with suppress(OSError):  # its last flush
+            super().close()
+
+
+@contextmanager
+def harness_log(run_dir: Path) -> Iterator[Path]:
+    """The harness's own log for one run, logs/harness.log: decisions, and every traceback."""
+    path = run_dir / HARNESS_LOG
+    handler = QuietFileHandler(path)
+    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(message)s"))
+    log.addHandler(handler)
+    log.setLevel(logging.INFO)
+    try:
+        yield path
+    finally:
+        log.removeHandler(handler)
+        handler.close()

@@ -60,7 +60,3 @@ def plan_throughput_launches(suite: SuiteSpec) -> list[LaunchGroup]:
         name = f"{m.series}-b{m.block}p{m.position}-{m.arm}"
         groups.append(LaunchGroup(name, suite.arms[m.arm].ranks, (m.arm,), f"logs/{name}", (m,)))
     return groups
-
-
-def separate_launches(groups: list[LaunchGroup]) -> bool:
-    return len(groups) > 1

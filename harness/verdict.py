@@ -5,6 +5,8 @@ its own family cannot know.
   group after it, never train. Their checks would fail on absent records ("recorded no PEC
   events") and read like regressions of their own. They are errors marked ``not_evaluated``: never
   a pass, counted apart, and left out of the exit code, which the launch's own check decides.
+* **Cancelled.** A signal ends a run with verdict ``cancelled`` and exit code 128 + N, whatever
+  its checks said; one more check says what stopped it and when (:func:`conclude`).
 * **Expected failures.** A negative suite (``expect = "fail"``, such as ``pec-legacy``) proves that
   a check catches what it exists for. It passes when exactly its ``expected_failures`` fail, each
   then ``xfail``, and everything else passes; an expected failure that passes, or never ran, fails
@@ -18,6 +20,7 @@ from __future__ import annotations
 import dataclasses
 from typing import TYPE_CHECKING
 
+from harness.cancel import Cancelled
 from harness.compare import CheckResult
 from harness.records import ArmRecords
 from harness.specs import SuiteSpec
@@ -34,10 +37,10 @@ FAILED_AS_EXPECTED = "failed-as-expected"
 NOT_EVALUATED = "not_evaluated"  # CheckResult.extra key: the arm, never run, that left a check unjudged
 
 
-def is_not_evaluated(check: CheckResult | dict) -> bool:
-    """Whether a check (a result, or its summary.json form) judged an arm that never ran."""
-    extra = check.extra if isinstance(check, CheckResult) else check.get("extra") or {}
-    return bool(extra.get(NOT_EVALUATED))
+def is_not_evaluated(check: CheckResult) -> bool:
+    """Whether a check judged an arm that never ran (report/checks.py reads the same of a
+    summary.json check)."""
+    return bool(check.extra.get(NOT_EVALUATED))
 
 
 def verdict_of(checks: list[CheckResult]) -> tuple[str, int]:
@@ -55,11 +58,22 @@ def verdict_of(checks: list[CheckResult]) -> tuple[str, int]:
     return "pass", EXIT_PASS
 
 
-def status_counts(checks: list[dict]) -> dict[str, int]:
-    """How many checks (summary.json's form) have each status, every status present (0 when none),
-    and how many of the errors are checks not evaluated (``not_evaluated``)."""
-    counts = {status: sum(c.get("status") == status for c in checks) for status in STATUSES}
-    return {**counts, NOT_EVALUATED: sum(map(is_not_evaluated, checks))}
+def conclude(
+    checks: list[CheckResult], cancelled: Cancelled | None, elapsed_s: float
+) -> tuple[list[CheckResult], str, int]:
+    """The run's checks, verdict and exit code: :func:`verdict_of`, unless a signal cancelled it."""
+    if cancelled is None:
+        return checks, *verdict_of(checks)
+    return [*checks, cancelled_check(cancelled, elapsed_s)], "cancelled", cancelled.exit_code
+
+
+def cancelled_check(cancelled: Cancelled, elapsed_s: float) -> CheckResult:
+    """The check that ends a cancelled run: what stopped it, when, and that its records are kept."""
+    detail = (
+        f"{cancelled}: the run stopped after {elapsed_s:.1f} s; every step recorded until then is"
+        " kept under arms/ (summary.arms says how many)"
+    )
+    return CheckResult("cancelled", "cancelled", "error", detail)
 
 
 def unrun_arms(

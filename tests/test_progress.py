@@ -64,13 +64,17 @@ def _append(path: Path, *records: dict) -> None:
         f.writelines(json.dumps(r) + "\n" for r in records)
 
 
+def _metrics(run_dir: Path, *arms: str) -> dict[str, Path]:
+    return {arm: run_dir / "arms" / arm / "metrics.jsonl" for arm in arms}
+
+
 def _step(step: int, loss: float) -> dict:
     return {"step": step, "loss": loss, "grad_norm": 0.5}
 
 
 def test_plain_lines_follow_metrics_as_they_are_written(tmp_path: Path) -> None:
     stream = io.StringIO()
-    progress = Progress(tmp_path, ["a"], steps=2, stream=stream)
+    progress = Progress(_metrics(tmp_path, "a"), steps=2, stream=stream)
     metrics = tmp_path / "arms" / "a" / "metrics.jsonl"
     metrics.parent.mkdir(parents=True)
     progress.tick()  # nothing written yet
@@ -88,7 +92,7 @@ def test_plain_lines_follow_metrics_as_they_are_written(tmp_path: Path) -> None:
 
 
 def test_verbose_prints_plain_step_lines_on_a_terminal_too(tmp_path: Path, terminal: _Terminal) -> None:
-    progress = Progress(tmp_path, ["eager", "graph"], steps=2, stream=terminal, verbose=True)
+    progress = Progress(_metrics(tmp_path, "eager", "graph"), steps=2, stream=terminal, verbose=True)
     _append(tmp_path / "arms" / "eager" / "metrics.jsonl", _step(1, 2.5), _step(2, 2.25))
     progress.tick()
     _append(tmp_path / "arms" / "graph" / "metrics.jsonl", _step(1, 2.5))
@@ -103,7 +107,7 @@ def test_verbose_prints_plain_step_lines_on_a_terminal_too(tmp_path: Path, termi
 
 def test_terminal_shows_one_live_line_per_arm_from_start_up_to_the_end(tmp_path: Path, terminal: _Terminal) -> None:
     arms = ["eager", "graph", "stale"]
-    progress = Progress(tmp_path, arms, steps=4, stream=terminal)
+    progress = Progress(_metrics(tmp_path, *arms), steps=4, stream=terminal)
     first = _frame(terminal.getvalue())
     assert re.fullmatch(rf"eager +━+ step 0/4 +{_CLOCK} starting ranks", first[0]), first
     assert [line.split()[-1] for line in first[1:]] == ["waiting", "waiting"]
@@ -150,7 +154,7 @@ def _abba_block(series: str, block: int, a: str, b: str, a_s: float, b_s: float)
 
 def test_block_progress_shows_each_arm_block_step_times_and_eta(tmp_path: Path, terminal: _Terminal) -> None:
     arms = {"A": "eager", "B": "graph", "control": "eager"}
-    progress = BlockProgress(tmp_path, arms, blocks=2, stream=terminal)
+    progress = BlockProgress(tmp_path / "throughput.jsonl", arms, blocks=2, stream=terminal)
     first = _frame(terminal.getvalue())
     assert [line.split()[:2] for line in first] == [["A", "eager"], ["B", "graph"], ["control", "eager"]]
     assert all(re.search(rf"block 0/2 +{_CLOCK} starting ranks$", line) for line in first), first
@@ -181,7 +185,7 @@ def test_block_progress_shows_each_arm_block_step_times_and_eta(tmp_path: Path, 
 
 def test_block_progress_prints_one_plain_line_per_measurement_off_a_terminal(tmp_path: Path) -> None:
     stream = io.StringIO()
-    progress = BlockProgress(tmp_path, {"A": "eager", "B": "graph"}, blocks=3, stream=stream)
+    progress = BlockProgress(tmp_path / "throughput.jsonl", {"A": "eager", "B": "graph"}, blocks=3, stream=stream)
     _append(tmp_path / "throughput.jsonl", *_abba_block("main", 1, "eager", "graph", 0.08, 0.1)[:2])
     progress.tick()
     progress.close()

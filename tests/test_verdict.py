@@ -13,13 +13,13 @@ from harness.compare import CheckResult
 from harness.launchers import LaunchGroup, LaunchResult, RankFailure
 from harness.records import ArmRecords, read_metrics_records
 from harness.report import format_verdict_table
+from harness.report.checks import status_counts
 from harness.suites import SuiteError
 from harness.verdict import (
     EXIT_FAIL,
     EXIT_PASS,
     apply_expectations,
     mark_not_evaluated,
-    status_counts,
     unrun_arms,
     verdict_of,
 )

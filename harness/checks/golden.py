@@ -1,7 +1,7 @@
 """``golden``: the run's metrics against the golden trajectory recorded for its environment.
 
 Every suite has this check, and no suite lists it: ``[golden]`` and ``--golden`` configure it
-(:mod:`harness.golden` plans it before the run), and the judge adds it (:func:`golden_check`),
+(:mod:`harness.golden` plans it before the run), and the run plans it (:func:`golden_check`),
 except when ``--golden update`` records a new golden instead. With ``--golden off``, or no golden
 that applies, it is one ``skip`` saying why: "skip" never passes silently.
 """

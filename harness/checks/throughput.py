@@ -5,7 +5,7 @@ or under it, fail (exit 1) when the lower bound is above it, otherwise inconclus
 neither a regression nor a flake; rerun with more blocks). An A/A control (``control``) whose own
 interval lies beyond the threshold, either way, makes the run inconclusive: the machine is too
 noisy for the gate to mean anything. Every throughput run has this one check, and no suite lists
-it: the judge adds it (:func:`gate_check`). It reads the rows of ``throughput.jsonl`` that the
+it: the run plans it (:func:`gate_check`). It reads the rows of ``throughput.jsonl`` that the
 read step put in ``RunRecords.throughput``.
 """
 
@@ -16,6 +16,7 @@ import statistics
 from harness.abba import BLOCK, PairedRatio, paired_ratio, relative_iqr
 from harness.checks.registry import CheckFamily, SuiteReader, register
 from harness.compare import CheckResult
+from harness.launchers import LaunchGroup
 from harness.records import RunRecords
 from harness.specs import ArmSpec, CheckSpec, SuiteSpec, ThroughputSpec
 from harness.subject.protocol import METRICS
@@ -26,9 +27,10 @@ KIND = "throughput"
 IMPROVEMENT = 0.20
 
 
-def gate_check(spec: ThroughputSpec, separate: bool) -> CheckSpec:
-    """The gate of a throughput run; ``separate``: its block positions are launches of their own."""
-    return CheckSpec(KIND, KIND, tuple(dict.fromkeys((spec.a, spec.b))), options={"separate": separate})
+def gate_check(spec: ThroughputSpec, groups: list[LaunchGroup]) -> CheckSpec:
+    """The gate of a throughput run launched as ``groups``: one group holds every block position
+    (the arms share processes), more are one launch per block position (harness/throughput.py)."""
+    return CheckSpec(KIND, KIND, tuple(dict.fromkeys((spec.a, spec.b))), options={"separate": len(groups) > 1})
 
 
 def parse(kind: str, raw: dict, dotted: str, v: SuiteReader, arms: dict[str, ArmSpec]) -> CheckSpec:

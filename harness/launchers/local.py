@@ -47,8 +47,7 @@ from harness.launchers.failures import (
     readable_error_file,
     release_error_rooms,
 )
-from harness.records import QuietFileHandler
-from harness.rundir import LAUNCHER_LOG
+from harness.rundir import LAUNCHER_LOG, QuietFileHandler
 from harness.triage import INFRASTRUCTURE, Verdict, oom_kills
 from harness.worker import AGENT_PID_ENV
 

@@ -8,16 +8,28 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from harness.verdict import FAILED_AS_EXPECTED, NOT_EVALUATED, STATUSES, is_not_evaluated, status_counts
+from harness.verdict import FAILED_AS_EXPECTED, NOT_EVALUATED, STATUSES
 
 PROBLEMS = frozenset({"error", "fail", "inconclusive"})
+
+
+def not_evaluated(check: dict) -> bool:
+    """Whether a check of summary.json judged an arm that never ran (verdict.py)."""
+    return bool((check.get("extra") or {}).get(NOT_EVALUATED))
+
+
+def status_counts(checks: list[dict]) -> dict[str, int]:
+    """How many checks (summary.json's form) have each status, every status present (0 when none),
+    and how many of the errors are checks not evaluated (``not_evaluated``)."""
+    counts = {status: sum(c.get("status") == status for c in checks) for status in STATUSES}
+    return {**counts, NOT_EVALUATED: sum(map(not_evaluated, checks))}
 
 
 def _rank(check: dict) -> int:
     """Errors, failures and inconclusive gates before everything else (passes and skips keep run
     order); checks not evaluated, errors that follow from another, after those."""
     status = check.get("status")
-    if is_not_evaluated(check):
+    if not_evaluated(check):
         return len(PROBLEMS)
     return STATUSES.index(status) if status in PROBLEMS else len(PROBLEMS) + 1
 

@@ -7,8 +7,7 @@ import xml.etree.ElementTree as ET
 from pathlib import Path
 
 from harness.records import write_text_atomic
-from harness.report.checks import status_counts
-from harness.verdict import is_not_evaluated
+from harness.report.checks import not_evaluated, status_counts
 
 # Characters XML 1.0 cannot carry; a traceback in a detail must not make the whole file invalid.
 _INVALID_XML = re.compile("[^\u0009\u000a\u000d\u0020-\ud7ff\ue000-\ufffd\U00010000-\U0010ffff]")
@@ -70,7 +69,7 @@ def junit_testsuite(summary: dict) -> ET.Element:
         status = check.get("status")
         detail = _text(check.get("detail", ""))
         if status in ("fail", "error"):
-            kind = "not-evaluated" if is_not_evaluated(check) else check.get("kind", "")
+            kind = "not-evaluated" if not_evaluated(check) else check.get("kind", "")
             element = ET.SubElement(case, "failure" if status == "fail" else "error", message=detail, type=_text(kind))
             element.text = _text(_failure_body(check))
         elif status == "skip":

@@ -30,12 +30,29 @@ ENTRY_POINT_GROUP = "harness.subjects"
 BUILTIN = {DEFAULT: "harness.subject.reference:subject"}
 _TARGET = re.compile(r"[A-Za-z_][\w.]*:[A-Za-z_]\w*")
 
-__all__ = ["DEFAULT", "ENTRY_POINT_GROUP", "Subject", "SubjectError", "load_subject", "subject_of"]
+__all__ = [
+    "DEFAULT",
+    "ENTRY_POINT_GROUP",
+    "Subject",
+    "SubjectError",
+    "load_subject",
+    "subject_of",
+    "usable_trace_cache",
+]
 
 
 def subject_of(suite: SuiteSpec) -> Subject:
     """The system under test a validated suite names."""
     return load_subject(suite.subject, suite.subject_dir)
+
+
+def usable_trace_cache(path: Path | None, subject: Subject) -> tuple[Path | None, str | None]:
+    """The trace cache the ranks may use (None: off), and the line saying why not when the subject
+    finds its folder unsafe (the reference: reference/chunking/trace_cache.py): the run then traces,
+    and is judged on its merits."""
+    problem = getattr(subject, "cache_problem", None)
+    why = problem(path) if path is not None and problem is not None else None
+    return (None, why) if why else (path, None)
 
 
 @functools.cache
