@@ -43,9 +43,9 @@ from pathlib import Path
 from typing import TextIO
 
 from harness.cancel import Cancellation, Cancelled
+from harness.files import write_json_atomic
 from harness.golden import GoldenError
 from harness.prepare import RunOptions, UsageError, check_device
-from harness.records import write_json_atomic
 from harness.report.html import write_ci_index
 from harness.report.junit import junit_testsuite, read_testsuites, write_merged_junit
 from harness.run import run_suite

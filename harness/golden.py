@@ -19,7 +19,7 @@ import numpy as np
 import pandas as pd
 
 from harness.compare import CheckResult, Exact, compare_series, format_steps, tier_from_spec
-from harness.records import remove_stale_temps, write_json_atomic
+from harness.files import remove_stale_temps, write_json_atomic
 from harness.shipped import SOURCE_ROOT, in_checkout
 
 if TYPE_CHECKING:

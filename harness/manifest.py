@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from harness.records import write_json_atomic
+from harness.files import write_json_atomic
 from harness.rundir import MANIFEST
 from harness.specs import SuiteSpec
 

@@ -20,6 +20,7 @@ import pandas as pd
 
 from harness.cancel import Cancelled
 from harness.compare import CheckResult
+from harness.files import write_json_atomic
 from harness.golden import Golden, GoldenError, load_golden
 from harness.judge import Judgement
 from harness.launchers import LaunchResult
@@ -27,7 +28,7 @@ from harness.launching import Launched
 from harness.manifest import Manifest, ManifestError
 from harness.phases import PhaseLog, read_rank_phases, timeline
 from harness.prepare import PreparedRun, UsageError
-from harness.records import RecordError, RunRecords, naming_file, read_metrics, write_json_atomic
+from harness.records import RecordError, RunRecords, read_metrics
 from harness.report import format_verdict_table, read_throughput, write_html, write_junit
 from harness.report.checks import status_counts
 from harness.rundir import JUNIT, REPORT, SUMMARY, arm_files
@@ -165,7 +166,8 @@ def finish(
             write_json_atomic(run_dir / SUMMARY, summary.to_json())
             return summary
         except Cancelled as c:
-            summary = summary.with_check(cancelled_check(c, summary.duration_s), "cancelled", c.exit_code)
+            check = cancelled_check(c, summary.duration_s)
+            summary = summary.with_check(check, "cancelled", c.exit_code)
         except Exception as e:
             log.exception("writing the run's outputs failed")
             print(
@@ -201,18 +203,11 @@ def write_reports(
     manifest: dict,
     throughput: pd.DataFrame | None,
 ) -> None:
-    """junit.xml, then report.html (the slow one), from a run's summary and records."""
-    with naming_file(run_dir / JUNIT):
-        write_junit(run_dir / JUNIT, summary)
-    with naming_file(run_dir / REPORT):
-        write_html(
-            run_dir / REPORT,
-            summary,
-            metrics,
-            golden=golden_frames(golden),
-            manifest=manifest,
-            throughput=throughput,
-        )
+    """junit.xml, then report.html (the slow one), from a run's summary and records; each written
+    atomically, its name in the error when the write fails (files.py)."""
+    write_junit(run_dir / JUNIT, summary)
+    html_golden = golden_frames(golden)
+    write_html(run_dir / REPORT, summary, metrics, golden=html_golden, manifest=manifest, throughput=throughput)
 
 
 def golden_frames(golden: Golden | None) -> dict[str, pd.DataFrame] | None:

@@ -1,4 +1,4 @@
-"""On-disk records: JSON-lines streams that survive a crash, and atomically replaced JSON files.
+"""On-disk records: JSON-lines streams that survive a crash, read back typed.
 
 Ranks stream metrics and events one JSON object per line and flush every line, so a rank that
 dies leaves every finished line readable. Floats go through json's float repr, which round-trips
@@ -7,18 +7,14 @@ a double bit-for-bit; exact comparisons depend on that. NaN and Infinity use jso
 
 from __future__ import annotations
 
-import glob
 import json
-import os
-import tempfile
-import time
 from collections.abc import Iterator, Mapping
-from contextlib import contextmanager, suppress
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import TracebackType
 from typing import TYPE_CHECKING, Any
 
+from harness.files import naming_file
 from harness.rundir import THROUGHPUT, arm_files
 
 if TYPE_CHECKING:
@@ -27,8 +23,6 @@ if TYPE_CHECKING:
     from harness.specs import SuiteSpec
 
 METRIC_COLUMNS = ("loss", "grad_norm", "tokens", "step_time_s")
-# A write_json_atomic temp file older than this is a killed write's leftover, not a writer's work in progress.
-STALE_TEMP_S = 60.0
 
 
 class RecordError(Exception):
@@ -38,18 +32,6 @@ class RecordError(Exception):
         self.path, self.line_no, self.msg = Path(path), line_no, msg
         where = f"{self.path}:{line_no}" if line_no is not None else f"{self.path}"
         super().__init__(f"{where}: {msg}")
-
-
-@contextmanager
-def naming_file(path: Path | str) -> Iterator[None]:
-    """Adds ``path`` to an OSError raised while writing it: a failed write or flush (ENOSPC on a full
-    disk) names no file, and the file is what the user must look at."""
-    try:
-        yield
-    except OSError as e:
-        if e.filename is None:
-            e.filename = str(path)
-        raise
 
 
 class JsonlWriter:
@@ -130,43 +112,6 @@ def read_metrics_records(records: list[dict], path: Path | str) -> pd.DataFrame:
         raise RecordError(path, None, f"step(s) {duplicated} recorded more than once")
     known = [c for c in METRIC_COLUMNS if c in frame.columns]
     return frame[known + [c for c in frame.columns if c not in METRIC_COLUMNS]]
-
-
-def write_json_atomic(path: Path, obj: Any) -> None:
-    """Writes JSON so that readers see the old file or the new one, never a torn one."""
-    write_text_atomic(path, json.dumps(obj, indent=2, allow_nan=True) + "\n")
-
-
-def write_text_atomic(path: Path, text: str) -> None:
-    """Writes ``text`` so that readers see the old file or the new one, never a torn one (a report
-    cut short by a full disk or a second signal would open as a broken page).
-
-    The temp file lives in the target directory so os.replace stays a same-filesystem rename.
-    """
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with naming_file(path), os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        os.unlink(tmp)
-        raise
-
-
-def remove_stale_temps(path: Path, older_than_s: float = STALE_TEMP_S) -> None:
-    """Deletes the temp files that writes of ``path`` killed mid-write left (write_json_atomic's
-    ``.<name>.<random>.tmp``), which nothing else would ever remove. Only those older than
-    ``older_than_s``: a younger one may be a concurrent writer's, still being written."""
-    path = Path(path)
-    cutoff = time.time() - older_than_s
-    for temp in path.parent.glob(f".{glob.escape(path.name)}.*.tmp"):
-        with suppress(FileNotFoundError):  # its writer renamed it into place meanwhile
-            if temp.stat().st_mtime < cutoff:
-                temp.unlink()
 
 
 @dataclass(frozen=True)

@@ -51,9 +51,10 @@ from torch.distributed.elastic.multiprocessing.errors import ErrorHandler, recor
 
 import harness
 from harness.digests import HASH_EVERY, digest_all, final_weights, parameters_hash
+from harness.files import write_json_atomic
 from harness.manifest import Manifest
 from harness.phases import PhaseLog
-from harness.records import DigestLine, JsonlWriter, RankLine, write_json_atomic
+from harness.records import DigestLine, JsonlWriter, RankLine
 from harness.rundir import THROUGHPUT, ArmFiles, arm_files, phases_file
 from harness.specs import ArmSpec, DebugSpec, SuiteSpec
 from harness.subject import Subject, subject_of

@@ -6,7 +6,8 @@ import struct
 import numpy as np
 import pytest
 
-from harness.records import JsonlWriter, RecordError, read_jsonl, read_metrics, write_json_atomic
+from harness.files import write_json_atomic
+from harness.records import JsonlWriter, RecordError, read_jsonl, read_metrics
 
 
 def _bits(x: float) -> int:

@@ -15,7 +15,7 @@ import jinja2
 import numpy as np
 import pandas as pd
 
-from harness.records import write_text_atomic
+from harness.files import write_text_atomic
 from harness.report.checks import group_by_kind, problems_first, status_counts, tally, verdict_label
 from harness.report.figures import integer_ticks, literal, new_figure, png_base64
 from harness.report.throughput import throughput_view

@@ -6,7 +6,7 @@ import re
 import xml.etree.ElementTree as ET
 from pathlib import Path
 
-from harness.records import write_text_atomic
+from harness.files import write_text_atomic
 from harness.report.checks import not_evaluated, status_counts
 
 # Characters XML 1.0 cannot carry; a traceback in a detail must not make the whole file invalid.

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from harness.records import write_json_atomic
+from harness.files import write_json_atomic
 
 JOB_DIR = "slurm"  # in the run directory: submitit's files and jobs.json
 JOBS_FILE = "jobs.json"
