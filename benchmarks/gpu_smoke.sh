@@ -61,7 +61,8 @@ run determinism determinism
 run retention retention
 run pec pec
 run fidelity fidelity
-echo "SKIP bf16-mixed parity (precision = \"bf16-mixed\" is not built yet)"
+run parity-bf16 parity-bf16
+run fidelity-bf16 fidelity-bf16
 
 harness abba parity --a eager --b graph --device "$DEVICE" --ranks 1 --set ep=2 --blocks 2 --steps 2 \
   --warmup 1 --max-slowdown 100 --out "$OUT/abba" "${extra[@]}" >"$OUT/abba.log" 2>&1

@@ -36,6 +36,8 @@ def test_every_item_of_the_smoke_that_runs_on_cpu_passes_there(tmp_path: Path) -
         "PASS retention",
         "PASS pec",
         "PASS fidelity",
+        "PASS parity-bf16",
+        "PASS fidelity-bf16",
         "PASS abba eager vs graph, timed by wall",
     ]
     assert "SKIP gpu-gate.yml gate (needs 2 GPUs, 0 visible)" in lines

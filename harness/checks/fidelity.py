@@ -18,6 +18,15 @@ and grad norm's: ``|diff| / |hf|``), must stay within its tier:
 A failure names the first step that differs and what differs there, largest error first:
 ``step 1: model.layers.1.mlp.experts.down_proj grad rel err 3.0e-02 > 1e-05``. No records, a step
 not recorded, or a line without a parameter the first step had fails: nothing passes unchecked.
+
+``fidelity-fp64`` judges an arm in ``precision = "bf16-mixed"``, where neither side owes the other
+its bits, as torch's accuracy checker does (``torch._dynamo.utils.same`` with an fp64 reference):
+each side's error against the float64 run of the same step, recorded beside it (RMSE per gradient;
+the loss's and grad norm's absolute error). The bound of the reference's error is ``multiple``
+times Hugging Face's plus ``floor`` times the float64 value's magnitude (its RMS for a gradient);
+each quantity passes when the median over the steps of its error over its bound is at most 1
+(:func:`judge_fp64` says why the median). torch uses a multiple of 3 for bf16 and an absolute
+floor; a relative floor serves tensors of any magnitude.
 """
 
 from __future__ import annotations
@@ -32,7 +41,11 @@ from harness.specs import ArmSpec, CheckSpec, SuiteSpec
 from harness.subject.protocol import FIDELITY
 
 KIND = "fidelity"
+FP64_KIND = "fidelity-fp64"
 DEFAULT_TIERS = {"max_rel_err": 1e-5, "weight_max_rel_err": 1e-3}
+FP64_TIERS = {"multiple": 3.0, "floor": 1e-3}
+FP64_SCALARS = ("fp64_loss", "fp64_grad_norm")
+FP64_FIELDS = ("grad_fp64_rmse", "grad_hf_fp64_rmse", "grad_fp64_rms")
 SCALARS = ("loss", "grad_norm")  # recorded beside hf_loss and hf_grad_norm
 PARAM_FIELDS = (
     "grad_abs_diff",
@@ -45,12 +58,15 @@ PARAM_FIELDS = (
     "adam_v_hf_max",
 )
 SHOWN = 3  # differences named in a failure's detail
+NO_RECORDS = "no fidelity records (fidelity.jsonl missing or empty): nothing compared"
 
 
 def parse(kind: str, raw: dict, dotted: str, v: SuiteReader, arms: dict[str, ArmSpec]) -> CheckSpec:
-    """``arms`` (default: every arm with an oracle), ``max_rel_err``, ``weight_max_rel_err``."""
-    v.table(raw, dotted, ("kind", "name", "arms", *DEFAULT_TIERS))
-    name = v.check_name(raw["name"], f"{dotted}.name") if "name" in raw else KIND
+    """``arms`` (default: every arm with an oracle), then ``max_rel_err`` and ``weight_max_rel_err``,
+    or ``fidelity-fp64``'s ``multiple`` and ``floor``."""
+    defaults = DEFAULT_TIERS if kind == KIND else FP64_TIERS
+    v.table(raw, dotted, ("kind", "name", "arms", *defaults))
+    name = v.check_name(raw["name"], f"{dotted}.name") if "name" in raw else kind
     if "arms" in raw:
         chosen = v.str_list(raw["arms"], f"{dotted}.arms", list(arms))
         for i, arm in enumerate(chosen):
@@ -60,18 +76,22 @@ def parse(kind: str, raw: dict, dotted: str, v: SuiteReader, arms: dict[str, Arm
         chosen = tuple(arm for arm, spec in arms.items() if spec.oracle is not None)
         if not chosen:
             raise v.error(dotted, 'needs an arm with an oracle (oracle = "hf"); the suite has none')
-    tiers = {key: _tolerance(v, raw.get(key, default), f"{dotted}.{key}") for key, default in DEFAULT_TIERS.items()}
+    tiers = {key: _tolerance(v, raw.get(key, default), f"{dotted}.{key}", key) for key, default in defaults.items()}
     return CheckSpec(kind, name, chosen, options=tiers)
 
 
-def _tolerance(v: SuiteReader, value: Any, dotted: str) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < math.inf:
-        raise v.error(dotted, f"expected a relative error > 0, got {value!r}")
+def _tolerance(v: SuiteReader, value: Any, dotted: str, key: str) -> float:
+    what = "a multiple >= 1" if key == "multiple" else "a relative error > 0"
+    low = 1 if key == "multiple" else 0
+    bad = isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value)
+    if bad or value < low or (low == 0 and value == 0):
+        raise v.error(dotted, f"expected {what}, got {value!r}")
     return float(value)
 
 
 def run(check: CheckSpec, suite: SuiteSpec, records: RunRecords) -> list[CheckResult]:
-    return [judge(f"{arm}: {check.name}", records[arm].fidelity, suite.steps, check.options) for arm in check.arms]
+    judged = judge if check.kind == KIND else judge_fp64
+    return [judged(f"{arm}: {check.name}", records[arm].fidelity, suite.steps, check.options) for arm in check.arms]
 
 
 def rel_err(diff: float, scale: float) -> float:
@@ -120,9 +140,7 @@ def _number(value: Any) -> bool:
 def judge(name: str, lines: list[dict], steps: int, tiers: dict[str, float]) -> CheckResult:
     """One oracle arm's fidelity records against the tiers, step by step."""
     if not lines:
-        return CheckResult(
-            name, KIND, "fail", "no fidelity records (fidelity.jsonl missing or empty): nothing compared"
-        )
+        return CheckResult(name, KIND, "fail", NO_RECORDS)
     params = list(lines[0].get("params") or {})
     worst: dict[str, tuple[float, str]] = {}  # tier key -> (largest error, its label)
     for line in sorted(lines, key=lambda line: line.get("step", 0)):
@@ -140,10 +158,8 @@ def judge(name: str, lines: list[dict], steps: int, tiers: dict[str, float]) -> 
         for label, (err, tier) in errors.items():
             if err >= worst.get(tier, (-1.0, ""))[0]:
                 worst[tier] = (err, label)
-    recorded = sorted(line["step"] for line in lines)
-    if recorded != list(range(1, steps + 1)):
-        detail = f"recorded steps {recorded}, expected 1-{steps}: the steps missing were not compared"
-        return CheckResult(name, KIND, "fail", detail)
+    if missing := _missing_steps(lines, steps):
+        return CheckResult(name, KIND, "fail", missing)
     largest = "; ".join(f"{label} {err:.1e}" for err, label in worst.values())
     detail = (
         f"{steps} steps: loss, grad norm, the gradients and AdamW moments of {len(params)} parameters within"
@@ -151,6 +167,97 @@ def judge(name: str, lines: list[dict], steps: int, tiers: dict[str, float]) -> 
         f" (largest rel err: {largest})"
     )
     return CheckResult(name, KIND, "pass", detail, max_rel_diff=max(err for err, _ in worst.values()))
+
+
+def _missing_steps(lines: list[dict], steps: int) -> str | None:
+    recorded = sorted(line["step"] for line in lines)
+    if recorded != list(range(1, steps + 1)):
+        return f"recorded steps {recorded}, expected 1-{steps}: the steps missing were not compared"
+    return None
+
+
+def fp64_ratios(line: dict, params: list[str], tiers: dict[str, float]) -> dict[str, float]:
+    """Every error of one recorded step against float64 over its bound, ``multiple`` times Hugging
+    Face's error plus ``floor`` times the float64 value's magnitude (its RMS for a gradient)."""
+    m, floor = tiers["multiple"], tiers["floor"]
+    ratios = {}
+    for key, label in zip(SCALARS, ("loss", "grad norm")):
+        exact = line[f"fp64_{key}"]
+        bound = m * abs(line[f"hf_{key}"] - exact) + floor * abs(exact)
+        ratios[label] = _ratio(abs(line[key] - exact), bound)
+    for name in params:
+        p = line["params"][name]
+        bound = m * p["grad_hf_fp64_rmse"] + floor * p["grad_fp64_rms"]
+        ratios[f"{name} grad"] = _ratio(p["grad_fp64_rmse"], bound)
+    return ratios
+
+
+def _ratio(err: float, bound: float) -> float:
+    return err / bound if bound else (0.0 if err == 0 else math.inf)
+
+
+def malformed_fp64(line: dict, params: list[str]) -> str | None:
+    """What a record lacks for ``fidelity-fp64``: the float64 run of a bf16-mixed arm."""
+    for key in (*SCALARS, *(f"hf_{k}" for k in SCALARS), *FP64_SCALARS):
+        if not _number(line.get(key)):
+            return f"no number {key!r} (fidelity-fp64 judges an arm in precision bf16-mixed)"
+    recorded = line.get("params")
+    if not isinstance(recorded, dict) or not recorded:
+        return "no parameters"
+    for name in params:
+        if not isinstance(recorded.get(name), dict) or not all(_number(recorded[name].get(f)) for f in FP64_FIELDS):
+            return f"{name}: expected numbers {', '.join(FP64_FIELDS)}"
+    return None
+
+
+def judge_fp64(name: str, lines: list[dict], steps: int, tiers: dict[str, float]) -> CheckResult:
+    """One bf16-mixed oracle arm's records: per quantity, its error against float64 over its bound
+    at every step, and the median of those over the steps at most 1.
+
+    The median, not every step: routing is discontinuous, and a bf16-sized change of a router's
+    input flips a near-tie token to another expert, in the reference and in Hugging Face alike,
+    each at its own steps. Such a flip breaks any multiple at a step or two; an error in the
+    arithmetic (an fp32 upcast dropped) breaks it at most steps.
+    """
+    if not lines:
+        return CheckResult(name, FP64_KIND, "fail", NO_RECORDS)
+    params = list(lines[0].get("params") or {})
+    per_quantity: dict[str, list[tuple[float, int]]] = {}
+    for line in sorted(lines, key=lambda line: line.get("step", 0)):
+        step = line.get("step")
+        if problem := malformed_fp64(line, params):
+            return CheckResult(name, FP64_KIND, "fail", f"step {step}: record has {problem}", first_divergent_step=step)
+        for label, ratio in fp64_ratios(line, params, tiers).items():
+            per_quantity.setdefault(label, []).append((ratio, step))
+    if missing := _missing_steps(lines, steps):
+        return CheckResult(name, FP64_KIND, "fail", missing)
+    medians = {label: _median([r for r, _ in rs]) for label, rs in per_quantity.items()}
+    bound = f"{tiers['multiple']:g} x Hugging Face's + {tiers['floor']:g} of the float64 value"
+    over = sorted((m, label) for label, m in medians.items() if not m <= 1)[::-1]
+    if over:
+        shown = "; ".join(
+            f"{label}: median {m:.1f} x its bound, over it at steps"
+            f" {', '.join(str(s) for r, s in per_quantity[label] if not r <= 1)}"
+            for m, label in over[:SHOWN]
+        )
+        more = f" (and {len(over) - SHOWN} more)" if len(over) > SHOWN else ""
+        first = min(s for _, label in over for r, s in per_quantity[label] if not r <= 1)
+        detail = f"error against float64 above {bound}: {shown}{more}"
+        return CheckResult(name, FP64_KIND, "fail", detail, first_divergent_step=first, max_rel_diff=over[0][0])
+    worst, label = max((m, label) for label, m in medians.items())
+    flips = sum(not r <= 1 for rs in per_quantity.values() for r, _ in rs)
+    detail = (
+        f"{steps} steps: loss, grad norm and the gradients of {len(params)} parameters: error against float64"
+        f" within {bound}, by the median over the steps (closest: {label}, {worst:.2f} of its bound;"
+        f" {flips} excesses at single steps, as routing flips give)"
+    )
+    return CheckResult(name, FP64_KIND, "pass", detail, max_rel_diff=worst)
+
+
+def _median(values: list[float]) -> float:
+    ordered = sorted(values, key=lambda v: math.inf if math.isnan(v) else v)
+    middle = len(ordered) // 2
+    return ordered[middle] if len(ordered) % 2 else (ordered[middle - 1] + ordered[middle]) / 2
 
 
 def _failure(name: str, step: int, over: list[tuple[float, str, float]], line: dict) -> CheckResult:
@@ -168,4 +275,4 @@ def _failure(name: str, step: int, over: list[tuple[float, str, float]], line: d
     )
 
 
-register(CheckFamily(kinds=(KIND,), parse=parse, run=run, reads=(FIDELITY,)))
+register(CheckFamily(kinds=(KIND, FP64_KIND), parse=parse, run=run, reads=(FIDELITY,)))

@@ -17,10 +17,18 @@ of it, with the same parameter names. Every step of an oracle arm:
 
 The weights are synced at every step, so a divergence shows at the step that caused it instead of
 compounding; the optimizer state of each side stays its own.
+
+Under ``precision = "bf16-mixed"`` neither side owes the other its bits, so both are held to a third
+run, torch's accuracy checker's way: Hugging Face's model in float64 takes the same weights and
+batch each step, and the record adds, per gradient, the RMSE of each side against it (and the
+loss's and grad norm's float64 values). Hugging Face then trains under the same bf16 autocast as
+the reference, with one adjustment: its router casts to float32 to route in float32, which autocast
+would undo, so the router runs with autocast off, as the reference's does.
 """
 
 from __future__ import annotations
 
+import contextlib
 import threading
 from collections.abc import Callable
 
@@ -102,6 +110,31 @@ def differences(ours: Tensors, theirs: Tensors, what: str) -> dict[str, dict[str
     }
 
 
+def fp64_errors(ours: Tensors, theirs: Tensors, fp64: Tensors) -> dict[str, dict[str, float]]:
+    """Per tensor of ``fp64``: the RMSE of ours and of theirs against it, and its own RMS (the scale
+    of the check's floor), keyed ``grad_fp64_rmse``, ``grad_hf_fp64_rmse``, ``grad_fp64_rms``."""
+
+    def rmse(t: torch.Tensor, exact: torch.Tensor) -> float:
+        return (t.double() - exact).square().mean().sqrt().item()
+
+    return {
+        name: {
+            "grad_fp64_rmse": rmse(ours[name], exact),
+            "grad_hf_fp64_rmse": rmse(theirs[name], exact),
+            "grad_fp64_rms": exact.square().mean().sqrt().item(),
+        }
+        for name, exact in fp64.items()
+    }
+
+
+def _autocast_off(forward: Callable, device_type: str) -> Callable:
+    def run(*args: object, **kwargs: object) -> object:
+        with torch.autocast(device_type, enabled=False):
+            return forward(*args, **kwargs)
+
+    return run
+
+
 # AdamW's moments, compared beside the weights: linear (exp_avg) and quadratic (exp_avg_sq) in the
 # clipped gradient, they show a clipping or moment bug at the gradient's own tier, where the
 # updated weights (divided by sqrt(exp_avg_sq) + eps) can only be held to a looser one.
@@ -137,13 +170,22 @@ class HFLockstep:
         self._grads: dict[int, Tensors] = {}  # logical rank -> its gradients, before clipping
         self._grads_lock = threading.Lock()
         self.hf: transformers.DeepseekV3ForCausalLM | None = None
+        self.hf64: transformers.DeepseekV3ForCausalLM | None = None  # bf16-mixed: the float64 run
         if self.group.process_rank == 0:
-            # Its random initialisation is overwritten at the first sync; forking keeps the global
-            # generator where it was, so the reference side runs exactly as a plain arm would.
-            with torch.random.fork_rng(devices=[]):
-                self.hf = transformers.DeepseekV3ForCausalLM(hf_config(self.trainer.cfg))
-            self.hf.to(device=self.trainer.device, dtype=DTYPES[config.dtype]).train()
+            self.hf = self._hf_model(DTYPES[config.dtype])
             self.optimizer = torch.optim.AdamW(self.hf.parameters(), lr=config.lr)
+            if config.mixed:
+                self.hf64 = self._hf_model(torch.float64)
+                for module in self.hf.modules():
+                    if isinstance(module, transformers.models.deepseek_v3.modeling_deepseek_v3.DeepseekV3TopkRouter):
+                        module.forward = _autocast_off(module.forward, self.trainer.device.type)
+
+    def _hf_model(self, dtype: torch.dtype) -> transformers.DeepseekV3ForCausalLM:
+        """Its random initialisation is overwritten at the first sync; forking keeps the global
+        generator where it was, so the reference side runs exactly as a plain arm would."""
+        with torch.random.fork_rng(devices=[]):
+            model = transformers.DeepseekV3ForCausalLM(hf_config(self.trainer.cfg))
+        return model.to(device=self.trainer.device, dtype=dtype).train()
 
     def close(self) -> None:
         self.trainer.close()
@@ -159,14 +201,26 @@ class HFLockstep:
     def step(self, step: int) -> dict:
         """One lockstep step; every process calls it, as it calls ``Trainer.step``."""
         weights = self._gather({r: replica.model.state_dict() for r, replica in self.trainer.replicas.items()})
+        exact: dict = {}
         if self.hf is not None:
             self.hf.load_state_dict(weights)
-            hf_loss = self._hf_loss_and_grads(step)
+            hf_loss = self._loss_and_grads(self.hf, step, self.config.compute(self.trainer.device))
+            if self.hf64 is not None:
+                self.hf64.load_state_dict(weights)  # copied into its float64 parameters
+                exact["fp64_loss"] = self._loss_and_grads(self.hf64, step, contextlib.nullcontext())
         result = self.trainer.step(step)
         grads, self._grads = self._gather(self._grads), {}
         if self.hf is not None:
-            hf_grads = {n: p.grad if p.grad is not None else torch.zeros_like(p) for n, p in self.hf.named_parameters()}
+            hf_grads = _grads_of(self.hf)
             grad_diffs = differences(grads, hf_grads, "grad")
+            if self.hf64 is not None:
+                fp64_grads = _grads_of(self.hf64)
+                exact["fp64_grad_norm"] = torch.linalg.vector_norm(
+                    torch.stack([*map(torch.linalg.vector_norm, fp64_grads.values())])
+                ).item()
+                for name, errors in fp64_errors(grads, hf_grads, fp64_grads).items():
+                    grad_diffs[name] |= errors
+                self.hf64.zero_grad(set_to_none=True)
             hf_grad_norm = torch.nn.utils.clip_grad_norm_(self.hf.parameters(), self.config.max_norm)
             self.optimizer.step()
             self.optimizer.zero_grad(set_to_none=True)
@@ -188,6 +242,7 @@ class HFLockstep:
                     "hf_loss": hf_loss,
                     "grad_norm": result["grad_norm"],
                     "hf_grad_norm": hf_grad_norm.item(),
+                    **exact,
                     "params": {name: {**grad_diffs[name], **weight_diffs[name]} for name in grad_diffs},
                 }
             )
@@ -200,18 +255,24 @@ class HFLockstep:
             for r, replica in self.trainer.replicas.items()
         }
 
-    def _hf_loss_and_grads(self, step: int) -> float:
-        """Forward and backward of the global batch; the loss is the mean of the ranks' mean NLLs."""
+    def _loss_and_grads(
+        self, model: transformers.DeepseekV3ForCausalLM, step: int, compute: contextlib.AbstractContextManager
+    ) -> float:
+        """Forward (under ``compute``) and backward of the global batch; the loss is the mean of the
+        ranks' mean NLLs, in float32 at least."""
         vocab, device = self.trainer.cfg.vocab_size, self.trainer.device
         batches = [synthetic_batch(self.config, vocab, step, rank) for rank in range(self.config.ep)]
         inputs = torch.cat([inputs for inputs, _ in batches]).to(device)
-        logits = self.hf(input_ids=inputs).logits.split(self.config.local_batch)
-        # torch's own cross entropy, not the reference's loss: a bug there must not move both sides.
-        per_rank = [
-            F.cross_entropy(lg.flatten(0, 1).float(), labels.to(device).flatten())
-            for lg, (_, labels) in zip(logits, batches)
-        ]
-        loss = torch.stack(per_rank).mean()
+        with compute:
+            logits = model(input_ids=inputs).logits.split(self.config.local_batch)
+            # torch's own cross entropy, not the reference's loss: a bug there must not move both sides.
+            per_rank = [
+                F.cross_entropy(
+                    lg.flatten(0, 1).to(torch.promote_types(lg.dtype, torch.float32)), labels.to(device).flatten()
+                )
+                for lg, (_, labels) in zip(logits, batches)
+            ]
+            loss = torch.stack(per_rank).mean()
         loss.backward()
         return loss.item()
 
@@ -233,3 +294,8 @@ class HFLockstep:
         for i, name in enumerate(self.expert_names):
             full[name] = torch.cat([piece.view(shapes[name]) for piece in pieces[i :: len(self.expert_names)]])
         return full
+
+
+def _grads_of(model: torch.nn.Module) -> Tensors:
+    """Every parameter's gradient; zeros for one the loss did not reach."""
+    return {n: p.grad if p.grad is not None else torch.zeros_like(p) for n, p in model.named_parameters()}

@@ -348,18 +348,27 @@ class MLP(nn.Module):
 
 class TopkRouter(nn.Module):
     """DeepSeek-V3 router: sigmoid/softmax scores, score-correction bias, group-limited top-k; or,
-    ``forced_balanced``, torchtitan's forced load balance, which ignores the scores for the choice."""
+    ``forced_balanced``, torchtitan's forced load balance, which ignores the scores for the choice.
 
-    def __init__(self, cfg: DeepseekV3Config, forced_balanced: bool) -> None:
+    The scores are computed in fp32 whatever autocast would do: they choose the experts and weight
+    their outputs. ``upcast=False`` is a planted bug (fault ``router-upcast-dropped``): under bf16
+    autocast the logits, and the sigmoid or softmax over them, are then bf16.
+    """
+
+    def __init__(self, cfg: DeepseekV3Config, forced_balanced: bool, upcast: bool = True) -> None:
         super().__init__()
-        self.cfg, self.forced_balanced = cfg, forced_balanced
+        self.cfg, self.forced_balanced, self.upcast = cfg, forced_balanced, upcast
         self.weight = nn.Parameter(torch.empty(cfg.n_routed_experts, cfg.hidden_size))
         self.register_buffer("e_score_correction_bias", torch.zeros(cfg.n_routed_experts))
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Return (expert ids, weights), both [T, K]; weights carry the gradient to the router."""
         cfg = self.cfg
-        logits = F.linear(x.float(), self.weight.float())
+        if self.upcast:
+            with torch.autocast(x.device.type, enabled=False):
+                logits = F.linear(x.float(), self.weight.float())
+        else:
+            logits = F.linear(x, self.weight)
         scores = logits.sigmoid() if cfg.scoring_func == "sigmoid" else logits.softmax(dim=-1)
         if self.forced_balanced:
             # torchtitan's moe_force_load_balance: the choice ignores the scores, so every expert
@@ -438,6 +447,8 @@ class TokenDispatcher:
         recv_per_expert_EPL = ep_ops.exchange_counts(per_expert_EPL)
         send_counts_EP, recv_counts_EP = per_expert_EPL.sum(1), recv_per_expert_EPL.sum(1)
         send_AD = tokens_TD.index_select(0, order_A // self.top_k)
+        if torch.is_autocast_enabled(send_AD.device.type):  # the experts' compute dtype: half the bytes
+            send_AD = send_AD.to(torch.get_autocast_dtype(send_AD.device.type))
         # Forced-balanced routing receives exactly what it sends: static shapes, so it traces.
         recv_rows = send_AD.shape[0] if self.forced_balanced else int(recv_counts_EP.sum())
         plan = DispatchPlan(order_A, send_counts_EP, recv_counts_EP, recv_per_expert_EPL, send_AD.shape[0], recv_rows)
@@ -462,9 +473,10 @@ class TokenDispatcher:
     def unpermute(self, combined_AD: torch.Tensor, plan: DispatchPlan, weights_TK: torch.Tensor) -> torch.Tensor:
         """Each token's expert outputs back in token order, summed with the router's weights: [T, D]."""
         per_assignment_AD = combined_AD.index_select(0, torch.argsort(plan.order_A))
+        # Weighted in the router's fp32, as torchtitan does; a no-op in an fp32 model.
         return (
-            per_assignment_AD.view(-1, self.top_k, per_assignment_AD.shape[-1])
-            * weights_TK.unsqueeze(-1).to(per_assignment_AD.dtype)
+            per_assignment_AD.view(-1, self.top_k, per_assignment_AD.shape[-1]).float()
+            * weights_TK.unsqueeze(-1).float()
         ).sum(1)
 
 
@@ -510,13 +522,15 @@ class MoE(nn.Module):
     same number of tokens whatever the scores (torchtitan's ``force_load_balance``).
     """
 
-    def __init__(self, cfg: DeepseekV3Config, layer_id: int, ep_size: int, forced_balanced: bool) -> None:
+    def __init__(
+        self, cfg: DeepseekV3Config, layer_id: int, ep_size: int, forced_balanced: bool, router_upcast: bool = True
+    ) -> None:
         super().__init__()
         if cfg.n_routed_experts % ep_size:
             raise ValueError(f"EP degree {ep_size} does not divide n_routed_experts {cfg.n_routed_experts}")
         self.layer_id, self.forced_balanced = layer_id, forced_balanced
         self.num_local = cfg.n_routed_experts // ep_size
-        self.gate = TopkRouter(cfg, forced_balanced)
+        self.gate = TopkRouter(cfg, forced_balanced, router_upcast)
         self.experts = GroupedExperts(cfg, self.num_local)
         self.shared_experts = MLP(cfg.hidden_size, cfg.moe_intermediate_size * cfg.n_shared_experts, cfg.hidden_act)
         self.dispatcher = TokenDispatcher(cfg, ep_size, forced_balanced)
@@ -532,7 +546,7 @@ class MoE(nn.Module):
             pending_AD = self.dispatcher.launch_combine(expert_out_RD, plan, buffer_set)
             combined_AD = self.dispatcher.wait_combine(pending_AD, buffer_set)
             routed_TD = self.dispatcher.unpermute(combined_AD, plan, weights_TK)
-            return (routed_TD + shared_TD).view(x_BSD.shape)
+            return (routed_TD + shared_TD).to(x_BSD.dtype).view(x_BSD.shape)
 
     def route(self, x_BSD: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, DispatchPlan]:
         """Choose experts: (tokens [T, D], weights [T, K], token copies to send [A, D], their plan)."""
@@ -595,7 +609,8 @@ class MoE(nn.Module):
         c.combined_AD = self.dispatcher.wait_combine(c.pending, c.buffer_set)
 
     def _unpermute(self, c: MoEChunk) -> None:
-        c.out_BSD = (self.dispatcher.unpermute(c.combined_AD, c.plan, c.weights_TK) + c.shared_TD).view(c.x_BSD.shape)
+        routed_TD = self.dispatcher.unpermute(c.combined_AD, c.plan, c.weights_TK)
+        c.out_BSD = (routed_TD + c.shared_TD).to(c.x_BSD.dtype).view(c.x_BSD.shape)
 
 
 RopeCosSin = tuple[torch.Tensor, torch.Tensor]
@@ -618,11 +633,13 @@ def _on_moe_chunk(stage: Stage[MoEChunk]) -> Stage[BlockChunk]:
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: DeepseekV3Config, layer_id: int, ep_size: int, forced_balanced: bool) -> None:
+    def __init__(
+        self, cfg: DeepseekV3Config, layer_id: int, ep_size: int, forced_balanced: bool, router_upcast: bool = True
+    ) -> None:
         super().__init__()
         self.self_attn = MLAttention(cfg)
         self.mlp = (
-            MoE(cfg, layer_id, ep_size, forced_balanced)
+            MoE(cfg, layer_id, ep_size, forced_balanced, router_upcast)
             if cfg.is_moe_layer(layer_id)
             else MLP(cfg.hidden_size, cfg.intermediate_size, cfg.hidden_act)
         )
@@ -654,13 +671,13 @@ class DecoderLayer(nn.Module):
 
 
 class DeepseekV3Model(nn.Module):
-    def __init__(self, cfg: DeepseekV3Config, ep_size: int, forced_balanced: bool) -> None:
+    def __init__(self, cfg: DeepseekV3Config, ep_size: int, forced_balanced: bool, router_upcast: bool = True) -> None:
         super().__init__()
         self.cfg = cfg
         # The pad token's row gets no gradient from the lookup.
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size, padding_idx=cfg.pad_token_id)
         self.layers = nn.ModuleList(
-            DecoderLayer(cfg, i, ep_size, forced_balanced) for i in range(cfg.num_hidden_layers)
+            DecoderLayer(cfg, i, ep_size, forced_balanced, router_upcast) for i in range(cfg.num_hidden_layers)
         )
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
@@ -675,15 +692,22 @@ class DeepseekV3Model(nn.Module):
 class DeepseekV3ForCausalLM(nn.Module):
     """The model of one logical EP rank: all dense weights, ``n_routed_experts / ep_size`` experts.
 
-    ``forced_balanced`` is the routing mode of every MoE layer (see :class:`MoE`).
+    ``forced_balanced`` is the routing mode of every MoE layer (see :class:`MoE`); ``router_upcast``
+    False plants the bug :class:`TopkRouter` describes.
     """
 
     def __init__(
-        self, cfg: DeepseekV3Config, ep_rank: int = 0, ep_size: int = 1, *, forced_balanced: bool = True
+        self,
+        cfg: DeepseekV3Config,
+        ep_rank: int = 0,
+        ep_size: int = 1,
+        *,
+        forced_balanced: bool = True,
+        router_upcast: bool = True,
     ) -> None:
         super().__init__()
         self.cfg, self.ep_rank, self.ep_size = cfg, ep_rank, ep_size
-        self.model = DeepseekV3Model(cfg, ep_size, forced_balanced)
+        self.model = DeepseekV3Model(cfg, ep_size, forced_balanced, router_upcast)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight

@@ -57,6 +57,12 @@ ATTENTION = "model.layers.*.self_attn"
 # Called with (logical rank, step, {param name: gradient}) once gradients are final, before clipping.
 GradSink = Callable[[int, int, dict], None]
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+# "pure": every tensor in ``dtype``, optimizer state included. "bf16-mixed", as GPUs train: fp32
+# master weights, optimizer state, gradients (and their reduction), loss and grad norm; the forward
+# under bf16 autocast, the router in fp32, tokens exchanged in bf16.
+PRECISIONS = ("pure", "bf16-mixed")
+# Planted in the model, not in a graph pass: a bug that only bf16 compute shows.
+MODEL_FAULTS = ("router-upcast-dropped",)
 
 
 @dataclass(frozen=True)
@@ -80,7 +86,10 @@ class TrainConfig:
     num_buffer_sets: int = 2
     device: str = "cpu"
     dtype: str = "float32"
-    fault: str = "none"  # graph arm only: a deliberate bug (graph_step.FAULTS) the checks must catch
+    precision: str = "pure"  # PRECISIONS
+    # A deliberate bug the checks must catch: a graph pass broken (graph_step.FAULTS, graph arms
+    # only), or the router's fp32 upcast dropped (MODEL_FAULTS, bf16-mixed only).
+    fault: str = "none"
     compile_attention: bool = False  # regional Inductor: only the attention modules are compiled
 
     def __post_init__(self) -> None:
@@ -88,10 +97,12 @@ class TrainConfig:
             raise ValueError(f"routing must be one of {ROUTINGS}, got {self.routing!r}")
         if self.chunking not in CHUNKINGS:
             raise ValueError(f"chunking must be one of {CHUNKINGS}, got {self.chunking!r}")
-        if self.fault not in FAULTS:
-            raise ValueError(f"fault must be one of {FAULTS}, got {self.fault!r}")
-        if self.fault != "none" and self.chunking != "graph":
+        if self.fault not in (*FAULTS, *MODEL_FAULTS):
+            raise ValueError(f"fault must be one of {(*FAULTS, *MODEL_FAULTS)}, got {self.fault!r}")
+        if self.fault in FAULTS and self.fault != "none" and self.chunking != "graph":
             raise ValueError(f"fault {self.fault!r} breaks a graph pass: it needs chunking = 'graph'")
+        if self.fault in MODEL_FAULTS and self.precision != "bf16-mixed":
+            raise ValueError(f"fault {self.fault!r} shows in bf16 compute only: it needs precision = 'bf16-mixed'")
         if self.chunking in TRACED and self.routing != "forced-balanced":
             raise ValueError(
                 f"chunking {self.chunking!r} traces static exchange sizes: it needs forced-balanced routing"
@@ -102,6 +113,12 @@ class TrainConfig:
             )
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {tuple(DTYPES)}, got {self.dtype!r}")
+        if self.precision not in PRECISIONS:
+            raise ValueError(f"precision must be one of {PRECISIONS}, got {self.precision!r}")
+        if self.precision == "bf16-mixed" and self.dtype != "float32":
+            raise ValueError("precision 'bf16-mixed' keeps fp32 master weights: it needs dtype = 'float32'")
+        if self.precision == "bf16-mixed" and type(self) is not TrainConfig:
+            raise ValueError("precision 'bf16-mixed' runs on the plain trainer, not the delayed pipeline or PEC")
         if self.ep < 1 or self.chunks < 1 or self.num_buffer_sets < 1:
             raise ValueError("ep, chunks and num_buffer_sets must be >= 1")
         n_experts = self.model_config().n_routed_experts
@@ -111,6 +128,22 @@ class TrainConfig:
     def model_config(self) -> DeepseekV3Config:
         """The model this arm trains: the named config with the overrides applied."""
         return get_config(self.model, **self.model_overrides)
+
+    @property
+    def mixed(self) -> bool:
+        return self.precision == "bf16-mixed"
+
+    def compute(self, device: torch.device) -> torch.autocast:
+        """The forward's numerics: bf16 autocast under bf16-mixed, else the weights' own dtype.
+        Backward runs outside it, as autocast asks. No cast cache: a weight used by every chunk is
+        cast at each use, so its chunks' gradients meet in fp32, in eager and traced arms alike
+        (a traced step's weights are graph inputs, which autocast never caches)."""
+        return torch.autocast(device.type, dtype=torch.bfloat16, enabled=self.mixed, cache_enabled=False)
+
+    @property
+    def exchange_dtype(self) -> torch.dtype:
+        """What tokens travel in: bf16 under bf16-mixed (the experts compute in it anyway)."""
+        return torch.bfloat16 if self.mixed else DTYPES[self.dtype]
 
 
 def set_determinism(device: str) -> None:
@@ -179,7 +212,11 @@ class _Replica:
     ) -> None:
         cfg = config.model_config()
         self.model = DeepseekV3ForCausalLM(
-            cfg, ep_rank=rank, ep_size=config.ep, forced_balanced=config.routing == "forced-balanced"
+            cfg,
+            ep_rank=rank,
+            ep_size=config.ep,
+            forced_balanced=config.routing == "forced-balanced",
+            router_upcast=config.fault != "router-upcast-dropped",
         )
         self.model.init_weights(torch.Generator().manual_seed(config.seed))
         prepare_model(rank, self.model)
@@ -208,7 +245,7 @@ class _Replica:
             hidden=cfg.hidden_size,
             capacity=capacity,
             num_buffer_sets=config.num_buffer_sets,
-            dtype=DTYPES[config.dtype],
+            dtype=config.exchange_dtype,
             device=device,
             event_sink=sink,
         )
@@ -289,10 +326,15 @@ class Trainer:
                 "accelerator": accelerator_identity(self.device),
             }
             cache = self.trace_cache.slot(trainer=trainer, **identity)
+
+        def loss_fn(model: DeepseekV3ForCausalLM, inputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+            with config.compute(self.device):  # traced into the graph as explicit casts
+                return causal_lm_loss(model(inputs), labels)
+
         return build_graph_step(
             self.replicas[rank].model,
             batch,
-            lambda model, inputs, labels: causal_lm_loss(model(inputs), labels),
+            loss_fn,
             passes,
             mode=config.chunking,
             chunk_dim=SPLIT_DIMS[config.chunk_dim],
@@ -353,7 +395,8 @@ class Trainer:
         inputs, labels = inputs.to(self.device), labels.to(self.device)
         with bind(replica.exchange):
             if self.graph_step is None:
-                loss = causal_lm_loss(replica.model(inputs), labels)
+                with self.config.compute(self.device):
+                    loss = causal_lm_loss(replica.model(inputs), labels)
                 (loss / self.config.ep).backward()
             else:
                 loss, grads = self.graph_step(replica.params, replica.buffers, inputs, labels)

@@ -277,7 +277,7 @@ def _arm(
         families=families(config, oracle),
         seed=config.seed,
         golden_config=golden_config(config),
-        dtype=config.dtype,
+        dtype=config.precision if config.mixed else config.dtype,  # what its goldens are keyed by
         oracle=oracle,
     )
 
