@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import json
+import threading
 from collections import Counter, defaultdict
 from dataclasses import replace
 
 import pytest
 import torch
+import torch.fx.traceback as fx_traceback
 from distributed import run_on_ranks
 
 from harness.checks.exchange import check_planned_exchanges, training_plan
@@ -20,6 +23,7 @@ from harness.checks.graph import (
     expected_regions,
     read_graph,
 )
+from harness.reference.chunking import eager as eager_chunking
 from harness.reference.chunking.checks import exchange_inventory
 from harness.reference.chunking.graph import ChunkingError, buffer_set_of, chunk_regions
 from harness.reference.chunking.graph_step import MARKERS, ROOT_PATTERNS, GraphPasses, GraphStep, compile_graph_step
@@ -247,3 +251,25 @@ def test_each_fault_is_caught_at_run_time(
     assert without_seq(run["events"]) != without_seq(eager_traced["events"])
     results = check_planned_exchanges(run["events"], plan=training_plan(STEPS), moe_layers=[1, 2], chunks=2)
     assert failing_invariants <= {r.name for r in results if r.status == "fail"}
+
+
+def test_eager_chunks_annotate_only_while_their_own_thread_traces() -> None:
+    """Preserving FX node metadata is process-wide: while another logical rank's thread compiles
+    (dynamo sets it), this thread's eager chunks must not write FX's global annotation, or both
+    threads race on it (KeyError: 'custom')."""
+    ready, done = threading.Event(), threading.Event()
+
+    def compiling() -> None:
+        with fx_traceback.preserve_node_meta():
+            ready.set()
+            done.wait(30)
+
+    other = threading.Thread(target=compiling)
+    other.start()
+    ready.wait(30)
+    try:
+        assert fx_traceback.has_preserved_node_meta()
+        assert isinstance(eager_chunking._annotate(eager_chunking.chunk_metadata(0, "m")), contextlib.nullcontext)
+    finally:
+        done.set()
+        other.join()

@@ -15,6 +15,7 @@ from typing import Callable
 
 import torch
 import torch.fx.traceback as fx_traceback
+from torch.fx.experimental.proxy_tensor import get_proxy_mode
 
 from harness.reference.chunking.schedule import EPScheduler, Owner
 from harness.reference.ep.exchange import region
@@ -31,12 +32,15 @@ def chunk_metadata(chunk: int, fqn: str) -> dict:
 
 
 def _annotate(metadata: dict) -> contextlib.AbstractContextManager:
-    """Annotate only while a tracer records node metadata.
+    """Annotate only while this thread traces (its proxy mode) and the tracer records node metadata.
 
     The annotation state is process-global, not per thread: logical ranks that run eagerly in
-    threads would race on it and leave stale chunk metadata for the next trace.
+    threads would race on it and leave stale chunk metadata for the next trace. Preserving node
+    metadata is process-global too: while one logical rank's thread compiles its attention
+    (``compile_attention``), another rank's eager chunks must not annotate.
     """
-    return fx_traceback.annotate(metadata) if fx_traceback.has_preserved_node_meta() else contextlib.nullcontext()
+    tracing = get_proxy_mode() is not None and fx_traceback.has_preserved_node_meta()
+    return fx_traceback.annotate(metadata) if tracing else contextlib.nullcontext()
 
 
 def run_chunked(
