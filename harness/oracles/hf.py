@@ -36,6 +36,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 import transformers
+from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3TopkRouter
 
 from harness.reference.model import DeepseekV3Config
 from harness.reference.train import DTYPES, GradSink, TrainConfig, Trainer, UpdateSink, synthetic_batch
@@ -128,6 +129,8 @@ def fp64_errors(ours: Tensors, theirs: Tensors, fp64: Tensors) -> dict[str, dict
 
 
 def _autocast_off(forward: Callable, device_type: str) -> Callable:
+    """``forward`` run with autocast off."""
+
     def run(*args: object, **kwargs: object) -> object:
         with torch.autocast(device_type, enabled=False):
             return forward(*args, **kwargs)
@@ -176,8 +179,8 @@ class HFLockstep:
             self.optimizer = torch.optim.AdamW(self.hf.parameters(), lr=config.lr)
             if config.mixed:
                 self.hf64 = self._hf_model(torch.float64)
-                for module in self.hf.modules():
-                    if isinstance(module, transformers.models.deepseek_v3.modeling_deepseek_v3.DeepseekV3TopkRouter):
+                for module in self.hf.modules():  # its float32 routing, which autocast would undo
+                    if isinstance(module, DeepseekV3TopkRouter):
                         module.forward = _autocast_off(module.forward, self.trainer.device.type)
 
     def _hf_model(self, dtype: torch.dtype) -> transformers.DeepseekV3ForCausalLM:
