@@ -1,0 +1,157 @@
+"""torchtitan's own DeepSeek-V3 (0.3.0, the `torchtitan` extra) built to compute what a reference
+model config computes, with the reference's weights: the counterpart the tests hold the reference
+against. Three semantic differences are lined up, each of which moves numbers by 1e-4 or more:
+
+- the routed experts in fp32: torchtitan's ``GroupedExperts.forward`` casts inputs and weights to
+  bf16 unconditionally, so its grouped matmuls are replaced with fp32 ones (same op,
+  ``torch._grouped_mm``);
+- every RMSNorm's eps from the config (torchtitan's default is 1e-5, DeepSeek-V3's 1e-6);
+- attention through SDPA (``ScaledDotProductAttention``, causal): FlexAttention, torchtitan's
+  default, has no CPU backward.
+
+YaRN is left out: torchtitan does not scale cos/sin for it. Weights travel by name (torchtitan's
+state-dict adapter for the dense tensors; the fused ``gate_up_proj`` split into ``w1`` and ``w3``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torchtitan.models import deepseek_v3 as titan
+from torchtitan.models.common import ComplexRoPE, Embedding, Linear, RMSNorm
+from torchtitan.models.common.attention import ScaledDotProductAttention
+from torchtitan.models.common.moe import GroupedExperts, TokenChoiceTopKRouter
+from torchtitan.models.deepseek_v3.state_dict_adapter import DeepSeekV3StateDictAdapter
+
+from harness.reference.model import DeepseekV3Config
+
+_EXPERTS = re.compile(r"model\.layers\.(\d+)\.mlp\.experts\.(gate_up_proj|down_proj)$")
+
+
+def titan_config(
+    cfg: DeepseekV3Config, forced_balanced: bool = False, eps: float | None = None
+) -> titan.DeepSeekV3Model.Config:
+    """The torchtitan model config of a reference config (default RoPE only); ``eps`` replaces the
+    config's RMSNorm eps (to show that it matters)."""
+    if cfg.rope_type != "default":
+        raise ValueError(f"rope_type {cfg.rope_type!r}: torchtitan does not scale cos/sin for YaRN")
+    layers = titan.build_mla_moe_layers(
+        n_layers=cfg.num_hidden_layers,
+        n_dense_layers=cfg.first_k_dense_replace,
+        dim=cfg.hidden_size,
+        n_heads=cfg.num_attention_heads,
+        q_lora_rank=cfg.q_lora_rank or 0,
+        kv_lora_rank=cfg.kv_lora_rank,
+        qk_nope_head_dim=cfg.qk_nope_head_dim,
+        qk_rope_head_dim=cfg.qk_rope_head_dim,
+        v_head_dim=cfg.v_head_dim,
+        mscale=1.0,
+        dense_hidden_dim=cfg.intermediate_size,
+        moe_hidden_dim=cfg.moe_intermediate_size,
+        num_experts=cfg.n_routed_experts,
+        num_shared_experts=cfg.n_shared_experts,
+        router_top_k=cfg.num_experts_per_tok,
+        router_score_func=cfg.scoring_func,
+        router_num_expert_groups=cfg.n_group,
+        router_num_limited_groups=cfg.topk_group,
+        router_route_scale=cfg.routed_scaling_factor,
+        router_route_norm=cfg.norm_topk_prob,
+        attn_backend="flex",  # replaced below: no CPU backward
+        moe_comm_backend="standard",
+        non_blocking_capacity_factor=None,
+        linear_init=titan._LINEAR_INIT,
+        norm_init=titan._NORM_INIT,
+        depth_init=titan._depth_init,
+        depth_experts_init=titan._depth_experts_init,
+        rope=ComplexRoPE.Config(dim=cfg.qk_rope_head_dim, max_seq_len=4096, theta=cfg.rope_theta),
+    )
+    for layer in layers:
+        layer.attention.inner_attention = ScaledDotProductAttention.Config()
+    config = titan.DeepSeekV3Model.Config(
+        vocab_size=cfg.vocab_size,
+        dim=cfg.hidden_size,
+        tok_embeddings=Embedding.Config(num_embeddings=cfg.vocab_size, embedding_dim=cfg.hidden_size),
+        norm=RMSNorm.Config(normalized_shape=cfg.hidden_size),
+        lm_head=Linear.Config(in_features=cfg.hidden_size, out_features=cfg.vocab_size),
+        layers=layers,
+        mtp_layers=[],
+    )
+    _each(config, RMSNorm.Config, lambda norm: setattr(norm, "eps", cfg.rms_norm_eps if eps is None else eps))
+    # torchtitan's round-robin forced load balance, as the reference's forced-balanced routing
+    force = forced_balanced
+    _each(config, TokenChoiceTopKRouter.Config, lambda router: setattr(router, "_debug_force_load_balance", force))
+    return config
+
+
+def _each(obj: Any, kind: type, visit: Any, seen: set[int] | None = None) -> None:
+    """``visit`` every config of ``kind`` in a config tree."""
+    seen = set() if seen is None else seen
+    if id(obj) in seen:
+        return
+    seen.add(id(obj))
+    if isinstance(obj, kind):
+        visit(obj)
+    children = [getattr(obj, f.name) for f in dataclasses.fields(obj)] if dataclasses.is_dataclass(obj) else obj
+    if isinstance(children, (list, tuple)):
+        for child in children:
+            _each(child, kind, visit, seen)
+
+
+def _fp32_experts(self: GroupedExperts, x_RD: torch.Tensor, num_tokens_per_expert_E: torch.Tensor) -> torch.Tensor:
+    offsets = torch.cumsum(num_tokens_per_expert_E, dim=0, dtype=torch.int32)
+
+    def mm(a: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        return torch._grouped_mm(a, w.transpose(-2, -1), offs=offsets)
+
+    return mm(F.silu(mm(x_RD, self.w1_EFD)) * mm(x_RD, self.w3_EFD), self.w2_EDF)
+
+
+def build(config: titan.DeepSeekV3Model.Config, fp32_experts: bool = True) -> torch.nn.Module:
+    model = config.build()
+    for module in model.modules():
+        if fp32_experts and isinstance(module, GroupedExperts):
+            module.forward = _fp32_experts.__get__(module)
+    return model
+
+
+class Names:
+    """The reference's (Hugging Face's) tensor names and torchtitan's, both ways."""
+
+    def __init__(self, config: titan.DeepSeekV3Model.Config) -> None:
+        self.dense = DeepSeekV3StateDictAdapter(config, None).from_hf_map
+
+    def to_titan(self, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        out = {}
+        for name, tensor in state.items():
+            if match := _EXPERTS.match(name):
+                base = f"layers.{match[1]}.moe.routed_experts.inner_experts."
+                if match[2] == "gate_up_proj":
+                    out[base + "w1_EFD"], out[base + "w3_EFD"] = (t.clone() for t in tensor.chunk(2, dim=1))
+                else:
+                    out[base + "w2_EDF"] = tensor.clone()
+            else:
+                out[self._dense(name)] = tensor.clone()
+        return out
+
+    def from_titan(self, tensors: dict[str, torch.Tensor], names: list[str]) -> dict[str, torch.Tensor]:
+        """``tensors`` (torchtitan's names) under the reference's ``names``."""
+        out = {}
+        for name in names:
+            if match := _EXPERTS.match(name):
+                base = f"layers.{match[1]}.moe.routed_experts.inner_experts."
+                if match[2] == "gate_up_proj":
+                    out[name] = torch.cat([tensors[base + "w1_EFD"], tensors[base + "w3_EFD"]], dim=1)
+                else:
+                    out[name] = tensors[base + "w2_EDF"]
+            else:
+                out[name] = tensors[self._dense(name)]
+        return out
+
+    def _dense(self, name: str) -> str:
+        layer = re.search(r"\.(\d+)\.", name)
+        key = re.sub(r"\.(\d+)\.", ".{}.", name, count=1)
+        return self.dense[key].format(layer[1]) if layer else self.dense[key]
