@@ -1,4 +1,5 @@
-"""Run a function on real gloo ranks in fresh processes and collect what each rank returns."""
+"""Run a function on real gloo ranks in fresh processes and collect what each rank returns; and
+the token exchange a test needs to run a reference model's forward."""
 
 from __future__ import annotations
 
@@ -10,6 +11,10 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+
+from harness.reference.ep.exchange import TokenExchange
+from harness.reference.ep.group import LogicalGroup
+from harness.reference.model import DeepseekV3Config
 
 
 def _rank_main(rank: int, world: int, store_dir: str, fn: Callable, args: tuple) -> None:
@@ -29,3 +34,17 @@ def run_on_ranks(world: int, fn: Callable, *args: Any) -> list[Any]:
     with tempfile.TemporaryDirectory() as store_dir:
         mp.start_processes(_rank_main, args=(world, store_dir, fn, args), nprocs=world, start_method="spawn")
         return [torch.load(Path(store_dir) / f"result{r}.pt") for r in range(world)]
+
+
+def cpu_exchange(group: LogicalGroup, rank: int, cfg: DeepseekV3Config, tokens: int) -> TokenExchange:
+    """Logical rank ``rank``'s token exchange on CPU, in fp32, with room for ``tokens`` tokens each
+    routed to ``cfg.num_experts_per_tok`` experts."""
+    return TokenExchange(
+        group,
+        rank,
+        hidden=cfg.hidden_size,
+        capacity=tokens * cfg.num_experts_per_tok,
+        num_buffer_sets=1,
+        dtype=torch.float32,
+        device=torch.device("cpu"),
+    )

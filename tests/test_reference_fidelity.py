@@ -15,9 +15,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from distributed import run_on_ranks
+from distributed import cpu_exchange, run_on_ranks
 
-from harness.reference.ep.exchange import TokenExchange, bind
+from harness.reference.ep.exchange import bind
 from harness.reference.ep.group import LogicalGroup
 from harness.reference.hf_config import HF_BASE, hf_config_fields
 from harness.reference.model import (
@@ -89,18 +89,9 @@ def reference_on_rank(
     group = LogicalGroup(ep)
     model = DeepseekV3ForCausalLM(cfg, ep_rank=rank, ep_size=ep, forced_balanced=False)
     model.load_hf_state_dict(state)
-    exchange = TokenExchange(
-        group,
-        rank,
-        hidden=cfg.hidden_size,
-        capacity=BATCH * SEQ * cfg.num_experts_per_tok,
-        num_buffer_sets=1,
-        dtype=torch.float32,
-        device=torch.device("cpu"),
-    )
     inputs, labels = batch(cfg)
     rows = slice(rank * BATCH // ep, (rank + 1) * BATCH // ep)
-    with bind(exchange):
+    with bind(cpu_exchange(group, rank, cfg, BATCH * SEQ)):
         logits = model(inputs[rows])
         (causal_lm_loss(logits, labels[rows]) / ep).backward()
     experts = {id(p) for p in model.expert_parameters()}

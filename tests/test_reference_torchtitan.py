@@ -8,9 +8,10 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from distributed import cpu_exchange
 from torchtitan_counterpart import Names, build, titan_config
 
-from harness.reference.ep.exchange import TokenExchange, bind
+from harness.reference.ep.exchange import bind
 from harness.reference.ep.group import LogicalGroup
 from harness.reference.model import DeepseekV3Config, DeepseekV3ForCausalLM, causal_lm_loss, get_config
 
@@ -27,17 +28,8 @@ def _batch(cfg: DeepseekV3Config) -> tuple[torch.Tensor, torch.Tensor]:
 def _reference(cfg: DeepseekV3Config, forced_balanced: bool) -> tuple[DeepseekV3ForCausalLM, torch.Tensor]:
     model = DeepseekV3ForCausalLM(cfg, forced_balanced=forced_balanced)
     model.init_weights(torch.Generator().manual_seed(42))
-    exchange = TokenExchange(
-        LogicalGroup(1),
-        0,
-        hidden=cfg.hidden_size,
-        capacity=BATCH * SEQ * cfg.num_experts_per_tok,
-        num_buffer_sets=1,
-        dtype=torch.float32,
-        device=torch.device("cpu"),
-    )
     inputs, labels = _batch(cfg)
-    with bind(exchange):
+    with bind(cpu_exchange(LogicalGroup(1), 0, cfg, BATCH * SEQ)):
         logits = model(inputs)
         causal_lm_loss(logits, labels).backward()
     return model, logits.detach()
