@@ -5,7 +5,6 @@ against a float64 run; the router's fp32 upcast, dropped, fails it."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
 from pathlib import Path
@@ -20,7 +19,6 @@ from harness.reference.pipeline import PipelineConfig
 from harness.reference.train import TrainConfig, Trainer
 
 REPO = Path(__file__).resolve().parent.parent
-needs_transformers = pytest.mark.skipif(importlib.util.find_spec("transformers") is None, reason="no transformers")
 
 
 def test_mixed_precision_keeps_fp32_weights_state_and_gradients_and_computes_in_bf16() -> None:
@@ -95,7 +93,6 @@ def test_parity_bf16_is_bit_for_bit_and_is_really_bf16(run_harness, tmp_path: Pa
     assert bf16 != [fp32["arms"]["eager"]["loss"]["values"][str(step)] for step in range(1, 21)]
 
 
-@needs_transformers
 def test_fidelity_bf16_passes_by_the_float64_rule_and_fails_on_the_dropped_router_upcast(
     run_harness, tmp_path: Path
 ) -> None:
@@ -166,7 +163,6 @@ def replace_params(record: dict, dropped: str) -> dict:
     return {**record, "params": params}
 
 
-@needs_transformers
 def test_tiers_out_of_range_are_refused_naming_the_field(run_harness, tmp_path: Path) -> None:
     suite = (REPO / "suites" / "fidelity-bf16.toml").read_text().replace("multiple = 3.0", "multiple = 0.5")
     path = tmp_path / "fidelity-bf16.toml"
@@ -174,3 +170,8 @@ def test_tiers_out_of_range_are_refused_naming_the_field(run_harness, tmp_path: 
     run = run_harness("run", path)
     assert run.returncode == 2, run.stdout + run.stderr
     assert "checks.0.multiple: expected a multiple >= 1, got 0.5" in run.stderr
+
+
+def test_a_nan_error_counts_as_over_its_bound() -> None:
+    result = judge_fp64("a", [line(step, ours=math.nan if step > 2 else 2e-5) for step in range(1, 6)], 5, FP64_TIERS)
+    assert result.status == "fail" and "over it at steps 3, 4, 5" in result.detail

@@ -32,6 +32,7 @@ floor; a relative floor serves tensors of any magnitude.
 from __future__ import annotations
 
 import math
+import statistics
 from typing import Any
 
 from harness.checks.registry import CheckFamily, SuiteReader, register
@@ -184,16 +185,12 @@ def fp64_ratios(line: dict, params: list[str], tiers: dict[str, float]) -> dict[
     for key, label in zip(SCALARS, ("loss", "grad norm")):
         exact = line[f"fp64_{key}"]
         bound = m * abs(line[f"hf_{key}"] - exact) + floor * abs(exact)
-        ratios[label] = _ratio(abs(line[key] - exact), bound)
+        ratios[label] = rel_err(abs(line[key] - exact), bound)
     for name in params:
         p = line["params"][name]
         bound = m * p["grad_hf_fp64_rmse"] + floor * p["grad_fp64_rms"]
-        ratios[f"{name} grad"] = _ratio(p["grad_fp64_rmse"], bound)
+        ratios[f"{name} grad"] = rel_err(p["grad_fp64_rmse"], bound)
     return ratios
-
-
-def _ratio(err: float, bound: float) -> float:
-    return err / bound if bound else (0.0 if err == 0 else math.inf)
 
 
 def malformed_fp64(line: dict, params: list[str]) -> str | None:
@@ -231,7 +228,10 @@ def judge_fp64(name: str, lines: list[dict], steps: int, tiers: dict[str, float]
             per_quantity.setdefault(label, []).append((ratio, step))
     if missing := _missing_steps(lines, steps):
         return CheckResult(name, FP64_KIND, "fail", missing)
-    medians = {label: _median([r for r, _ in rs]) for label, rs in per_quantity.items()}
+    # A NaN error counts as over its bound.
+    medians = {
+        label: statistics.median(math.inf if math.isnan(r) else r for r, _ in rs) for label, rs in per_quantity.items()
+    }
     bound = f"{tiers['multiple']:g} x Hugging Face's + {tiers['floor']:g} of the float64 value"
     over = sorted((m, label) for label, m in medians.items() if not m <= 1)[::-1]
     if over:
@@ -252,12 +252,6 @@ def judge_fp64(name: str, lines: list[dict], steps: int, tiers: dict[str, float]
         f" {flips} excesses at single steps, as routing flips give)"
     )
     return CheckResult(name, FP64_KIND, "pass", detail, max_rel_diff=worst)
-
-
-def _median(values: list[float]) -> float:
-    ordered = sorted(values, key=lambda v: math.inf if math.isnan(v) else v)
-    middle = len(ordered) // 2
-    return ordered[middle] if len(ordered) % 2 else (ordered[middle - 1] + ordered[middle]) / 2
 
 
 def _failure(name: str, step: int, over: list[tuple[float, str, float]], line: dict) -> CheckResult:
