@@ -4,9 +4,10 @@ turned into the harness's :class:`~harness.subject.protocol.Recorder` calls.
 The trainer follows the arm's config: ``Trainer`` for a plain arm (traced or eager chunking),
 ``VersionedTrainer`` or ``DelayedOracleTrainer`` for a versioned one (``trainer``), ``PECTrainer`` for
 a PEC table, and an oracle's model in lockstep (:mod:`harness.oracles.lockstep`; the oracle's
-module imported only then) for an arm with ``oracle = "hf"`` or ``"torchtitan"``. A versioned trainer counts its updates from 0 and its batches like
-steps; here its update k becomes step k + 1, so that at delay 0 it trains on the data a plain
-Trainer sees at the same step, and the two compare exactly.
+module imported only then) for an arm with ``oracle = "hf"`` or ``"torchtitan"``. A versioned
+trainer counts its updates from 0 and its batches like steps; here its update k becomes step
+k + 1, so that at delay 0 it trains on the data a plain Trainer sees at the same step, and the
+two compare exactly.
 """
 
 from __future__ import annotations
