@@ -91,15 +91,15 @@ def check_routing_counts(name: str, events: dict[int, list[dict]], expected: int
     return problems_result(name, KIND, problems, passed)
 
 
-def balanced_count(train: dict, experts_per_token: int | None) -> int | None:
-    """Rows each logical rank sends each other per exchange under forced-balanced routing (every
-    expert gets tokens x top-k / experts of a chunk; the top-k as the arm's ``arm.json`` records
-    it), or None when routing is learned."""
-    if train["routing"] != "forced-balanced" or experts_per_token is None:  # learned, or no arm.json
+def balanced_count(train: dict, experts_per_token: int | None, ep: int) -> int | None:
+    """Rows each of ``ep`` logical ranks sends each other per exchange under forced-balanced routing
+    (every expert gets tokens x top-k / experts of a chunk; the top-k as the arm's ``arm.json``
+    records it), or None when routing is learned. A subject without chunking has one chunk."""
+    if train.get("routing") != "forced-balanced" or experts_per_token is None:  # learned, or no arm.json
         return None
-    chunks = train["chunks"] if train["chunking"] != "none" else 1
+    chunks = train["chunks"] if train.get("chunking", "none") != "none" else 1
     rows = train["local_batch"] * train["seq_len"] // chunks * experts_per_token
-    return rows // train["ep"]
+    return rows // ep
 
 
 def parse(kind: str, raw: dict, dotted: str, v: SuiteReader, arms: dict[str, ArmSpec]) -> CheckSpec:
@@ -108,15 +108,15 @@ def parse(kind: str, raw: dict, dotted: str, v: SuiteReader, arms: dict[str, Arm
     return CheckSpec(kind, name, arm_list(v, raw, dotted, arms))
 
 
-def arm_routing(name: str, train: dict, records: ArmRecords) -> CheckResult:
+def arm_routing(name: str, spec: ArmSpec, records: ArmRecords) -> CheckResult:
     top_k = records.info.get("experts_per_token")
-    if train["routing"] == "forced-balanced" and not isinstance(top_k, int):
+    if spec.train.get("routing") == "forced-balanced" and not isinstance(top_k, int):
         return CheckResult(name, KIND, "fail", "arm.json records no experts_per_token: no balanced count to expect")
-    return check_routing_counts(name, records.events, balanced_count(train, top_k))
+    return check_routing_counts(name, records.events, balanced_count(spec.train, top_k, spec.logical_ranks))
 
 
 def run(check: CheckSpec, suite: SuiteSpec, records: RunRecords) -> list[CheckResult]:
-    return [arm_routing(f"{arm}: {check.name}", suite.arms[arm].train, records[arm]) for arm in check.arms]
+    return [arm_routing(f"{arm}: {check.name}", suite.arms[arm], records[arm]) for arm in check.arms]
 
 
 register(CheckFamily((KIND,), parse, run, reads=(TOKEN_EXCHANGE,)))

@@ -101,6 +101,23 @@ def fp64_errors(ours: Tensors, theirs: Tensors, fp64: Tensors) -> dict[str, dict
 ADAM_MOMENTS = {"exp_avg": "adam_m", "exp_avg_sq": "adam_v"}
 
 
+def clip_grad_norm(model: nn.Module, max_norm: float) -> torch.Tensor:
+    """torch's global-norm clipping over a whole model whose expert shards may be DTensors (under
+    expert parallelism; torch reduces their norm over their processes) beside plain dense
+    parameters (the same on every process): each kind's norm apart, then one total, as
+    torchtitan's own clipping with EP does. Returns the total norm."""
+    params = [p for p in model.parameters() if p.grad is not None]
+    kinds = [[p for p in params if isinstance(p, DTensor)], [p for p in params if not isinstance(p, DTensor)]]
+    norms = []
+    for kind in kinds:
+        norm = torch.nn.utils.get_total_norm([p.grad for p in kind])
+        norms.append(norm.full_tensor() if isinstance(norm, DTensor) else norm)
+    total = torch.linalg.vector_norm(torch.stack(norms))
+    for kind in kinds:
+        torch.nn.utils.clip_grads_with_norm_(kind, max_norm, total)
+    return total
+
+
 class Lockstep:
     """A reference :class:`Trainer` and an oracle's model stepped together; the arm's trainer.
 
@@ -177,7 +194,7 @@ class Lockstep:
             theirs["grad"] = self._grads_of(self.oracle)
             if self.oracle64 is not None:
                 exact |= self._fp64_run(grads, theirs["grad"])
-            oracle_grad_norm = self._clip(self.oracle)
+            oracle_grad_norm = clip_grad_norm(self.oracle, self.config.max_norm)
             self.optimizer.step()
             self.optimizer.zero_grad(set_to_none=True)
             params = dict(self.oracle.named_parameters())
@@ -233,22 +250,6 @@ class Lockstep:
         return self._as_reference(
             {n: p.grad.clone() if p.grad is not None else torch.zeros_like(p) for n, p in model.named_parameters()}
         )
-
-    def _clip(self, model: nn.Module) -> torch.Tensor:
-        """torch's global-norm clipping over the whole model. Under expert parallelism the expert
-        shards are DTensors, whose norm torch reduces over their processes, and the dense
-        parameters plain tensors (the same on every process): each kind's norm apart, as
-        torchtitan's ``clip_grad_norm_`` does with EP."""
-        params = [p for p in model.parameters() if p.grad is not None]
-        kinds = [[p for p in params if isinstance(p, DTensor)], [p for p in params if not isinstance(p, DTensor)]]
-        norms = []
-        for kind in kinds:
-            norm = torch.nn.utils.get_total_norm([p.grad for p in kind])
-            norms.append(norm.full_tensor() if isinstance(norm, DTensor) else norm)
-        total = torch.linalg.vector_norm(torch.stack(norms))
-        for kind in kinds:
-            torch.nn.utils.clip_grads_with_norm_(kind, self.config.max_norm, total)
-        return total
 
     def _adam_state(self, key: str) -> dict[int, Tensors]:
         """Each local logical rank's AdamW moment ``key`` per parameter, after this step."""

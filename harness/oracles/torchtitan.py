@@ -36,7 +36,7 @@ from harness.reference.ep.group import LogicalGroup
 from harness.reference.model import DeepseekV3Config
 from harness.reference.train import TrainConfig
 
-SPMD_BACKEND = "partial_dtensor"  # DTensors on the model-parallel axes only; see Torchtitan
+SPMD_BACKEND = "partial_dtensor"  # DTensors on the model-parallel axes only; see expert_parallel
 _EXPERTS = re.compile(r"model\.layers\.(\d+)\.mlp\.experts\.(gate_up_proj|down_proj)$")
 _TITAN_EXPERTS = re.compile(r"layers\.(\d+)\.moe\.routed_experts\.inner_experts\.(w1_EFD|w2_EDF|w3_EFD)$")
 
@@ -130,6 +130,36 @@ def build(config: titan.DeepSeekV3Model.Config, fp32_experts: bool = True) -> to
     return model
 
 
+def shard_experts(config: titan.DeepSeekV3Model.Config) -> None:
+    """Set torchtitan's DeepSeek-V3 sharding config with EP on ``config`` (before building)."""
+    set_deepseek_v3_sharding_config(config, enable_sp=False, enable_ep=True)
+
+
+def expert_parallel(model: torch.nn.Module, processes: int, device: torch.device) -> None:
+    """Expert parallelism over the default process group, torchtitan's own: ``Module.parallelize``
+    with EP = ``processes`` shards each routed-expert weight (Shard(0): process p holds the p-th
+    block of experts, as the reference's logical rank p) and wires its ``AllToAllTokenDispatcher``.
+    The model's config must have had :func:`shard_experts`. Two adjustments, through what torchtitan
+    exposes: the device mesh is built on ``device``'s type (``parallel_dims.device_type``, which
+    torchtitan sets to "cuda" wherever no accelerator is found), and the SPMD backend is
+    ``partial_dtensor`` (DTensors on the model-parallel axes only): the default ``spmd_types``
+    backend fails on gloo."""
+    parallel_dims.device_type = device.type
+    set_spmd_backend(SPMD_BACKEND)
+    dims = parallel_dims.ParallelDims(
+        dp_replicate=1,
+        dp_shard=processes,
+        cp=1,
+        tp=1,
+        pp=1,
+        ep=processes,
+        world_size=processes,
+        spmd_backend=SPMD_BACKEND,
+    )
+    dims.build_mesh()
+    model.parallelize(dims)
+
+
 class Names:
     """The reference's (Hugging Face's) tensor names and torchtitan's, both ways."""
 
@@ -178,14 +208,8 @@ class Torchtitan:
     """The ``"torchtitan"`` oracle's :class:`~harness.oracles.lockstep.Counterpart`: forced-balanced
     routing is torchtitan's own round-robin (``_debug_force_load_balance``).
 
-    With one logical rank per process (EP = processes > 1) it is expert parallel: every process
-    builds the model, and torchtitan shards it itself (``Module.parallelize`` with EP, its
-    DeepSeek-V3 sharding config), so the experts travel through its ``AllToAllTokenDispatcher``
-    and each process's expert shard is its logical rank's. Two adjustments, through what
-    torchtitan exposes: the device mesh is built on the arm's device type
-    (``parallel_dims.device_type``, which torchtitan sets to "cuda" wherever no accelerator is
-    found), and the SPMD backend is ``partial_dtensor`` (DTensors on the model-parallel axes only):
-    the default backend's uneven all-to-all fails on gloo.
+    With one logical rank per process (EP = processes > 1) it is expert parallel
+    (:func:`expert_parallel`): every process builds the model and holds its logical rank's experts.
     """
 
     label = "torchtitan"
@@ -195,7 +219,7 @@ class Torchtitan:
         self.processes = group.processes
         self.expert_parallel = 1 < group.processes == config.ep
         if self.expert_parallel:
-            set_deepseek_v3_sharding_config(self.titan, enable_sp=False, enable_ep=True)
+            shard_experts(self.titan)
         self.names = Names(self.titan)
 
     def build(self, dtype: torch.dtype, device: torch.device) -> torch.nn.Module:
@@ -204,20 +228,7 @@ class Torchtitan:
         assert dtype == torch.float32, dtype
         model = build(self.titan).to(device)
         if self.expert_parallel:
-            parallel_dims.device_type = device.type
-            set_spmd_backend(SPMD_BACKEND)
-            mesh = parallel_dims.ParallelDims(
-                dp_replicate=1,
-                dp_shard=self.processes,
-                cp=1,
-                tp=1,
-                pp=1,
-                ep=self.processes,
-                world_size=self.processes,
-                spmd_backend=SPMD_BACKEND,
-            )
-            mesh.build_mesh()
-            model.parallelize(mesh)
+            expert_parallel(model, self.processes, device)
         return model.train()
 
     def load(self, model: torch.nn.Module, weights: dict[str, torch.Tensor]) -> None:

@@ -27,7 +27,7 @@ if TYPE_CHECKING:
 
 DEFAULT = "reference"
 ENTRY_POINT_GROUP = "harness.subjects"
-BUILTIN = {DEFAULT: "harness.subject.reference:subject"}
+BUILTIN = {DEFAULT: "harness.subject.reference:subject", "torchtitan": "harness.subject.torchtitan:subject"}
 _TARGET = re.compile(r"[A-Za-z_][\w.]*:[A-Za-z_]\w*")
 
 __all__ = [

@@ -1,0 +1,241 @@
+"""torchtitan's own DeepSeek-V3 as the system under test: ``subject = "torchtitan"``.
+
+Where an oracle arm holds torchtitan to the reference, this subject trains torchtitan itself
+(0.3.0, the ``torchtitan`` extra), so that a change to torchtitan, or a choice between two of its
+configs, is verified the way the reference's are: determinism, a pair of configs, the ranks'
+agreement, routing counts, goldens, the first divergence, ABBA throughput.
+
+Each process is one expert-parallel and data-parallel rank (one logical rank per process, as in
+torchtitan's ``dp_shard = ep``). The model has the shape of a reference model config (``model``,
+built by :func:`harness.oracles.torchtitan.titan_config`: SDPA attention, the config's norm eps) and
+torchtitan's own initialisation, seeded alike on every process; with 2 or more processes torchtitan
+shards its experts and exchanges tokens through its ``AllToAllTokenDispatcher`` over the process
+group (:func:`~harness.oracles.torchtitan.expert_parallel`); on one process it dispatches locally.
+``experts = "bf16"`` runs torchtitan's routed experts as shipped (bf16 grouped matmuls);
+``"fp32"`` replaces them with fp32 ones, the oracle's. A step: forward and loss on this rank's own
+synthetic batch, backward of the global loss (the mean over ranks), the dense gradients and the
+loss summed over the processes, global-norm clipping and AdamW. On GPUs torchtitan's
+MinimalAsyncEP dispatcher needs CUDA symmetric memory; it is not wired here.
+
+Recorded: metrics; each rank's loss, grad norm and parameters (dense ones replicated, its expert
+shard its own); its gradients (digests); final weights; and a launch event around every forward
+dispatch and combine all-to-all (rows sent to and received from each rank), for
+``routing-counts``. The backward all-to-alls run inside torch's autograd and are not recorded.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.distributed.tensor import DTensor
+
+from harness import oracles
+from harness.subject import protocol
+from harness.subject.config import dataclass_arms
+
+if TYPE_CHECKING:
+    from harness.checks.registry import SuiteReader
+    from harness.specs import ArmSpec
+
+ROUTINGS = ("learned", "forced-balanced")
+EXPERTS = ("bf16", "fp32")
+
+
+@dataclass(frozen=True)
+class TitanConfig:
+    """One arm: the model's shape (a reference model config), routing, data and optimizer."""
+
+    model: str = "cpu-tiny"  # a reference model config name (harness.reference.model.CONFIGS)
+    routing: str = "learned"  # or torchtitan's round-robin "forced-balanced"
+    experts: str = "bf16"  # torchtitan's routed experts as shipped, or "fp32"
+    local_batch: int = 4
+    seq_len: int = 32
+    lr: float = 1e-3
+    max_norm: float = 1.0
+    seed: int = 42
+
+    def __post_init__(self) -> None:
+        if self.routing not in ROUTINGS:
+            raise ValueError(f"routing must be one of {ROUTINGS}, got {self.routing!r}")
+        if self.experts not in EXPERTS:
+            raise ValueError(f"experts must be one of {EXPERTS}, got {self.experts!r}")
+        from harness.reference.model import CONFIGS
+
+        if self.model not in CONFIGS:
+            raise ValueError(f"model must be one of {sorted(CONFIGS)}, got {self.model!r}")
+        cfg = CONFIGS[self.model]
+        if cfg.rope_type != "default":
+            raise ValueError(f"model {self.model}: torchtitan does not scale cos/sin for {cfg.rope_type}")
+
+
+def synthetic_batch(config: TitanConfig, vocab: int, step: int, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Uniform token ids seeded by (seed, step, rank): every process derives its own batch."""
+    gen = torch.Generator().manual_seed(config.seed * 1_000_003 + step * 8_191 + rank)
+    tokens = torch.randint(vocab, (config.local_batch, config.seq_len + 1), generator=gen)
+    return tokens[:, :-1], tokens[:, 1:]
+
+
+class TitanArm:
+    """This process's rank of an arm: torchtitan's model, its AdamW, its exchange events."""
+
+    def __init__(self, context: protocol.ArmContext) -> None:
+        from harness.oracles import torchtitan as titan
+        from harness.reference.model import get_config
+
+        self.config = TitanConfig(**context.arm.train)
+        self.recorder = context.recorder
+        self.rank, self.world = dist.get_rank(), dist.get_world_size()
+        cuda = context.device == "cuda"
+        self.device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
+        self.cfg = get_config(self.config.model)
+        spec = titan.titan_config(self.cfg, forced_balanced=self.config.routing == "forced-balanced")
+        if self.world > 1:
+            titan.shard_experts(spec)
+        self.names = titan.Names(spec)
+        # The same initialisation on every process (the harness seeded it): experts shard it after.
+        self.model = titan.build(spec, fp32_experts=self.config.experts == "fp32")
+        self.model.init_states(buffer_device=self.device)
+        self.model.to(self.device)
+        if self.world > 1:
+            titan.expert_parallel(self.model, self.world, self.device)
+        self.model.train()
+        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=self.config.lr, foreach=False)
+        self.moe_layers = [layer for layer in range(self.cfg.num_hidden_layers) if self.cfg.is_moe_layer(layer)]
+        self.step_number = 0
+        self._seq = 0
+        if self.recorder is not None and self.world > 1:
+            self._record_exchanges()
+
+    def _record_exchanges(self) -> None:
+        """A launch event around each MoE layer's forward dispatch and combine all-to-all."""
+        for layer in self.moe_layers:
+            dispatcher = self.model.layers[str(layer)].moe.routed_experts.token_dispatcher
+            dispatch, combine = dispatcher._dispatch_token_exchange, dispatcher._combine_token_exchange
+
+            def dispatched(x, pg, output_splits, input_splits, layer=layer, send=dispatch):
+                self._launch("dispatch", layer, input_splits, output_splits)
+                return send(x, pg, output_splits, input_splits)
+
+            def combined(x, pg, input_splits, output_splits, layer=layer, send=combine):
+                self._launch("combine", layer, output_splits, input_splits)
+                return send(x, pg, input_splits, output_splits)
+
+            dispatcher._dispatch_token_exchange = dispatched
+            dispatcher._combine_token_exchange = combined
+
+    def _launch(self, name: str, layer: int, send: list[int], recv: list[int]) -> None:
+        event = {
+            "step": self.step_number,
+            "phase": "fwd",
+            "layer": layer,
+            "chunk": 0,
+            "kind": name,
+            "op": "launch",
+            "name": name,
+            "buffer_set": 0,  # torchtitan allocates each exchange's output: no sets to rotate
+            "seq": self._seq,
+            "rows": sum(recv),
+            "send_counts": list(send),
+            "recv_counts": list(recv),
+        }
+        self._seq += 1
+        self.recorder.exchange_event(self.rank, event)
+
+    def step(self, step: int) -> protocol.StepRecord:
+        from harness.oracles.lockstep import clip_grad_norm
+
+        start = time.perf_counter()
+        self.step_number = step
+        inputs, labels = (t.to(self.device) for t in synthetic_batch(self.config, self.cfg.vocab_size, step, self.rank))
+        loss = F.cross_entropy(self.model(inputs).flatten(0, 1).float(), labels.flatten()) / self.world
+        loss.backward()
+        loss = loss.detach()
+        dense = [p.grad for p in self.model.parameters() if p.grad is not None and not isinstance(p, DTensor)]
+        for tensor in [loss, *dense]:  # the expert shards' gradients came back through the all-to-all
+            dist.all_reduce(tensor)
+        if self.recorder is not None:
+            self.recorder.gradients(self.rank, step, self._named(_grad))
+        grad_norm = float(clip_grad_norm(self.model, self.config.max_norm))
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        if self.recorder is not None:
+            params = self._named(lambda p: p)
+            replicated = {n: t for n, t in params.items() if ".mlp.experts." not in n}
+            sharded = {n: t for n, t in params.items() if ".mlp.experts." in n}
+            self.recorder.rank_update(self.rank, step, protocol.RankUpdate(float(loss), grad_norm, replicated, sharded))
+        tokens = self.world * self.config.local_batch * self.config.seq_len
+        return protocol.StepRecord(step, float(loss), grad_norm, tokens, time.perf_counter() - start)
+
+    def _named(self, of: Any) -> dict[str, torch.Tensor]:
+        """``of(parameter)`` for every parameter, this process's part of an expert shard, under the
+        reference's (Hugging Face's) names, so that records read alike across subjects."""
+        local = {n: of(p) for n, p in self.model.named_parameters()}
+        local = {n: t.to_local() if isinstance(t, DTensor) else t for n, t in local.items()}
+        return self.names.from_titan({n: t.detach() for n, t in local.items()})
+
+    def drain(self) -> list[protocol.StepRecord]:
+        return []
+
+    def info(self) -> dict[str, Any]:
+        """The MoE layers and the top-k, as the reference's arms record them."""
+        return {"moe_layers": self.moe_layers, "experts_per_token": self.cfg.num_experts_per_tok}
+
+    def graph_export(self) -> None:
+        return None
+
+    def graph_build(self) -> None:
+        return None
+
+    def final_weights(self) -> Mapping[int, Mapping[str, torch.Tensor]]:
+        return {self.rank: self._named(lambda p: p)}
+
+    def close(self) -> None:
+        pass
+
+
+def _grad(param: torch.Tensor) -> torch.Tensor:
+    """A parameter's gradient; zeros for one the loss did not reach."""
+    return param.grad if param.grad is not None else torch.zeros_like(param)
+
+
+class Torchtitan:
+    """The subject: its arms are :class:`TitanConfig` tables, one logical rank per process."""
+
+    name = "torchtitan"
+    families = frozenset(
+        {
+            protocol.METRICS,
+            protocol.RANK_UPDATES,
+            protocol.GRADIENT_DIGESTS,
+            protocol.FINAL_WEIGHTS,
+            protocol.TOKEN_EXCHANGE,
+        }
+    )
+    train_fields = {f: type(v) for f, v in TitanConfig().__dict__.items()}
+
+    def __init__(self) -> None:
+        # A rank that raises in here, in the model builder, or in torchtitan itself is the subject's.
+        found = importlib.util.find_spec("torchtitan")
+        titan = (Path(found.origin).parent,) if found is not None and found.origin else ()
+        self.source = (Path(__file__).resolve(), Path(oracles.__file__).resolve().parent / "torchtitan.py", *titan)
+
+    def parse_arms(self, tables: protocol.SuiteTables, reader: SuiteReader) -> dict[str, ArmSpec]:
+        if problem := oracles.missing_dependency("torchtitan"):
+            raise reader.error("subject", problem)
+        positive = ("local_batch", "seq_len", "lr", "max_norm")
+        return dataclass_arms(tables, reader, TitanConfig, self.families, positive, subject=f'subject "{self.name}"')
+
+    def build(self, context: protocol.ArmContext) -> TitanArm:
+        return TitanArm(context)
+
+
+def subject() -> Torchtitan:
+    return Torchtitan()
