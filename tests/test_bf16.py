@@ -116,13 +116,13 @@ PARAMS = ("model.layers.1.mlp.gate.weight", "model.layers.1.mlp.experts.down_pro
 def line(step: int, ours: float, theirs: float = 1e-5, scale: float = 1e-3) -> dict:
     """A bf16-mixed fidelity record: every gradient's RMSE against float64 ``ours`` and
     Hugging Face's ``theirs``; the loss and grad norm as far from float64 as Hugging Face's."""
-    errors = {"grad_fp64_rmse": ours, "grad_hf_fp64_rmse": theirs, "grad_fp64_rms": scale}
+    errors = {"grad_fp64_rmse": ours, "grad_oracle_fp64_rmse": theirs, "grad_fp64_rms": scale}
     zeros = dict.fromkeys(("grad_abs_diff", "weight_abs_diff", "adam_m_abs_diff", "adam_v_abs_diff"), 0.0)
-    maxima = dict.fromkeys(("grad_hf_max", "weight_hf_max", "adam_m_hf_max", "adam_v_hf_max"), 1.0)
+    maxima = dict.fromkeys(("grad_oracle_max", "weight_oracle_max", "adam_m_oracle_max", "adam_v_oracle_max"), 1.0)
     return {
         "step": step,
-        **{"loss": 5.001, "hf_loss": 5.001, "fp64_loss": 5.0},
-        **{"grad_norm": 1.0, "hf_grad_norm": 1.0, "fp64_grad_norm": 1.0},
+        **{"loss": 5.001, "oracle_loss": 5.001, "fp64_loss": 5.0},
+        **{"grad_norm": 1.0, "oracle_grad_norm": 1.0, "fp64_grad_norm": 1.0},
         "params": {name: {**errors, **zeros, **maxima} for name in PARAMS},
     }
 

@@ -31,22 +31,22 @@ def line(step: int, **errors: float) -> dict:
     params = {
         name: {
             "grad_abs_diff": errors.get(f"p{i}_grad", 0.0),
-            "grad_hf_max": 1.0,
+            "grad_oracle_max": 1.0,
             "weight_abs_diff": errors.get(f"p{i}_weight", 0.0),
-            "weight_hf_max": 1.0,
+            "weight_oracle_max": 1.0,
             "adam_m_abs_diff": errors.get(f"p{i}_adam_m", 0.0),
-            "adam_m_hf_max": 1.0,
+            "adam_m_oracle_max": 1.0,
             "adam_v_abs_diff": 0.0,
-            "adam_v_hf_max": 1.0,
+            "adam_v_oracle_max": 1.0,
         }
         for i, name in enumerate(PARAMS)
     }
     return {
         "step": step,
         "loss": 5.0 * (1 + errors.get("loss", 0.0)),
-        "hf_loss": 5.0,
+        "oracle_loss": 5.0,
         "grad_norm": 1.0,
-        "hf_grad_norm": 1.0,
+        "oracle_grad_norm": 1.0,
         "params": params,
     }
 
@@ -80,7 +80,7 @@ def test_weights_are_judged_at_their_own_tier() -> None:
         ([line(1)], "recorded steps [1], expected 1-2: the steps missing were not compared"),
         ([line(1), line(1)], "recorded steps [1, 1], expected 1-2: the steps missing were not compared"),
         ([line(1), {**line(2), "params": {PARAMS[0]: line(2)["params"][PARAMS[0]]}}], f"no record of {PARAMS[1]}"),
-        ([line(1), {**line(2), "hf_loss": None}], "step 2: record has no number 'hf_loss'"),
+        ([line(1), {**line(2), "oracle_loss": None}], "step 2: record has no number 'oracle_loss'"),
         ([{**line(1), "params": {}}, line(2)], "step 1: record has no parameters"),
     ],
 )
@@ -92,7 +92,7 @@ def test_absent_short_or_malformed_records_fail(lines: list[dict], expected: str
 def test_nan_and_a_difference_against_an_all_zero_tensor_fail() -> None:
     assert judge("a", [line(1, p0_grad=math.nan)], 1, TIERS).detail.startswith(f"step 1: {PARAMS[0]} grad rel err nan")
     zero = line(1, p1_grad=1e-9)
-    zero["params"][PARAMS[1]]["grad_hf_max"] = 0.0
+    zero["params"][PARAMS[1]]["grad_oracle_max"] = 0.0
     assert judge("a", [zero], 1, TIERS).detail == f"step 1: {PARAMS[1]} grad rel err inf > 1e-05"
 
 

@@ -1,6 +1,6 @@
 """The reference against torchtitan's own DeepSeek-V3 (0.3.0, installed by the `test` extra), in one
 process: the same weights and batch, logits and every gradient. torchtitan is the code the
-reference's MoE mirrors; the semantic differences lined up are in tests/torchtitan_counterpart.py,
+reference's MoE mirrors; the semantic differences lined up are in harness/oracles/torchtitan.py,
 and the last test shows that each would fail the comparison."""
 
 from __future__ import annotations
@@ -9,8 +9,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 from distributed import cpu_exchange
-from torchtitan_counterpart import Names, build, titan_config
 
+from harness.oracles.torchtitan import Names, build, titan_config
 from harness.reference.ep.exchange import bind
 from harness.reference.ep.group import LogicalGroup
 from harness.reference.model import DeepseekV3Config, DeepseekV3ForCausalLM, causal_lm_loss, get_config
@@ -52,7 +52,7 @@ def _torchtitan(
     logits = model(inputs)
     F.cross_entropy(logits.flatten(0, 1), labels.flatten()).backward()
     grads = {name: p.grad for name, p in model.named_parameters()}
-    return logits.detach(), names.from_titan(grads, [n for n, _ in reference.named_parameters()])
+    return logits.detach(), names.from_titan(grads)
 
 
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:

@@ -1,10 +1,11 @@
-"""The ``fidelity`` check: the reference against Hugging Face transformers, trained in lockstep.
+"""The ``fidelity`` check: the reference against an oracle (Hugging Face, torchtitan) trained in lockstep.
 
-An arm with ``oracle = "hf"`` records ``arms/<arm>/fidelity.jsonl`` (see
-:mod:`harness.oracles.hf`): per step both losses and grad norms, and per parameter the largest
-absolute difference of the gradients and of the updated weights beside the largest magnitude of
-the Hugging Face tensor. Here each quantity's relative error, ``max|diff| / max|hf|`` (the loss's
-and grad norm's: ``|diff| / |hf|``), must stay within its tier:
+An arm with ``oracle = "hf"`` or ``"torchtitan"`` records ``arms/<arm>/fidelity.jsonl`` (see
+:mod:`harness.oracles.lockstep`): per step the oracle's name, both losses and grad norms, and per
+parameter the largest absolute difference of the gradients, of the updated weights and of AdamW's
+moments beside the largest magnitude of the oracle's tensor. Here each quantity's relative error,
+``max|diff| / max|oracle|`` (the loss's and grad norm's: ``|diff| / |oracle|``), must stay within
+its tier:
 
 - ``max_rel_err`` (default 1e-5, the fp32 tier of the reference's unit test) for the loss, the
   grad norm, every gradient and AdamW's two moments after the step (``adam_m``, ``adam_v``), which
@@ -23,7 +24,7 @@ not recorded, or a line without a parameter the first step had fails: nothing pa
 its bits, as torch's accuracy checker does (``torch._dynamo.utils.same`` with an fp64 reference):
 each side's error against the float64 run of the same step, recorded beside it (RMSE per gradient;
 the loss's and grad norm's absolute error). The bound of the reference's error is ``multiple``
-times Hugging Face's plus ``floor`` times the float64 value's magnitude (its RMS for a gradient);
+times the oracle's plus ``floor`` times the float64 value's magnitude (its RMS for a gradient);
 each quantity passes when the median over the steps of its error over its bound is at most 1
 (:func:`judge_fp64` says why the median). torch uses a multiple of 3 for bf16 and an absolute
 floor; a relative floor serves tensors of any magnitude.
@@ -46,17 +47,17 @@ FP64_KIND = "fidelity-fp64"
 DEFAULT_TIERS = {"max_rel_err": 1e-5, "weight_max_rel_err": 1e-3}
 FP64_TIERS = {"multiple": 3.0, "floor": 1e-3}
 FP64_SCALARS = ("fp64_loss", "fp64_grad_norm")
-FP64_FIELDS = ("grad_fp64_rmse", "grad_hf_fp64_rmse", "grad_fp64_rms")
-SCALARS = ("loss", "grad_norm")  # recorded beside hf_loss and hf_grad_norm
+FP64_FIELDS = ("grad_fp64_rmse", "grad_oracle_fp64_rmse", "grad_fp64_rms")
+SCALARS = ("loss", "grad_norm")  # recorded beside oracle_loss and oracle_grad_norm
 PARAM_FIELDS = (
     "grad_abs_diff",
-    "grad_hf_max",
+    "grad_oracle_max",
     "weight_abs_diff",
-    "weight_hf_max",
+    "weight_oracle_max",
     "adam_m_abs_diff",
-    "adam_m_hf_max",
+    "adam_m_oracle_max",
     "adam_v_abs_diff",
-    "adam_v_hf_max",
+    "adam_v_oracle_max",
 )
 SHOWN = 3  # differences named in a failure's detail
 NO_RECORDS = "no fidelity records (fidelity.jsonl missing or empty): nothing compared"
@@ -72,11 +73,11 @@ def parse(kind: str, raw: dict, dotted: str, v: SuiteReader, arms: dict[str, Arm
         chosen = v.str_list(raw["arms"], f"{dotted}.arms", list(arms))
         for i, arm in enumerate(chosen):
             if arms[arm].oracle is None:
-                raise v.error(f"{dotted}.arms.{i}", f'arm "{arm}" trains against no oracle (set oracle = "hf")')
+                raise v.error(f"{dotted}.arms.{i}", f'arm "{arm}" trains against no oracle (set oracle)')
     else:
         chosen = tuple(arm for arm, spec in arms.items() if spec.oracle is not None)
         if not chosen:
-            raise v.error(dotted, 'needs an arm with an oracle (oracle = "hf"); the suite has none')
+            raise v.error(dotted, 'needs an arm with an oracle (oracle = "hf" or "torchtitan"); the suite has none')
     tiers = {key: _tolerance(v, raw.get(key, default), f"{dotted}.{key}", key) for key, default in defaults.items()}
     return CheckSpec(kind, name, chosen, options=tiers)
 
@@ -105,21 +106,21 @@ def rel_err(diff: float, scale: float) -> float:
 def step_errors(line: dict, params: list[str]) -> dict[str, tuple[float, str]]:
     """Every relative error of one recorded step, labelled, with the tier key that bounds it."""
     errors = {
-        label: (rel_err(abs(line[key] - line[f"hf_{key}"]), line[f"hf_{key}"]), "max_rel_err")
+        label: (rel_err(abs(line[key] - line[f"oracle_{key}"]), line[f"oracle_{key}"]), "max_rel_err")
         for key, label in zip(SCALARS, ("loss", "grad norm"))
     }
     for name in params:
         p = line["params"][name]
-        errors[f"{name} grad"] = (rel_err(p["grad_abs_diff"], p["grad_hf_max"]), "max_rel_err")
-        errors[f"{name} weight"] = (rel_err(p["weight_abs_diff"], p["weight_hf_max"]), "weight_max_rel_err")
+        errors[f"{name} grad"] = (rel_err(p["grad_abs_diff"], p["grad_oracle_max"]), "max_rel_err")
+        errors[f"{name} weight"] = (rel_err(p["weight_abs_diff"], p["weight_oracle_max"]), "weight_max_rel_err")
         for moment in ("adam_m", "adam_v"):
-            errors[f"{name} {moment}"] = (rel_err(p[f"{moment}_abs_diff"], p[f"{moment}_hf_max"]), "max_rel_err")
+            errors[f"{name} {moment}"] = (rel_err(p[f"{moment}_abs_diff"], p[f"{moment}_oracle_max"]), "max_rel_err")
     return errors
 
 
 def malformed(line: dict, params: list[str]) -> str | None:
     """What a recorded line lacks, or None; the parameters are those of the first line."""
-    for key in (*SCALARS, *(f"hf_{k}" for k in SCALARS)):
+    for key in (*SCALARS, *(f"oracle_{k}" for k in SCALARS)):
         if not _number(line.get(key)):
             return f"no number {key!r}"
     recorded = line.get("params")
@@ -164,10 +165,15 @@ def judge(name: str, lines: list[dict], steps: int, tiers: dict[str, float]) -> 
     largest = "; ".join(f"{label} {err:.1e}" for err, label in worst.values())
     detail = (
         f"{steps} steps: loss, grad norm, the gradients and AdamW moments of {len(params)} parameters within"
-        f" {tiers['max_rel_err']:g}, updated weights within {tiers['weight_max_rel_err']:g} of Hugging Face"
+        f" {tiers['max_rel_err']:g}, updated weights within {tiers['weight_max_rel_err']:g} of {oracle_of(lines)}"
         f" (largest rel err: {largest})"
     )
     return CheckResult(name, KIND, "pass", detail, max_rel_diff=max(err for err, _ in worst.values()))
+
+
+def oracle_of(lines: list[dict]) -> str:
+    """The oracle the records name, for the messages."""
+    return str(lines[0].get("oracle", "the oracle"))
 
 
 def _missing_steps(lines: list[dict], steps: int) -> str | None:
@@ -178,24 +184,24 @@ def _missing_steps(lines: list[dict], steps: int) -> str | None:
 
 
 def fp64_ratios(line: dict, params: list[str], tiers: dict[str, float]) -> dict[str, float]:
-    """Every error of one recorded step against float64 over its bound, ``multiple`` times Hugging
-    Face's error plus ``floor`` times the float64 value's magnitude (its RMS for a gradient)."""
+    """Every error of one recorded step against float64 over its bound, ``multiple`` times the
+    oracle's error plus ``floor`` times the float64 value's magnitude (its RMS for a gradient)."""
     m, floor = tiers["multiple"], tiers["floor"]
     ratios = {}
     for key, label in zip(SCALARS, ("loss", "grad norm")):
         exact = line[f"fp64_{key}"]
-        bound = m * abs(line[f"hf_{key}"] - exact) + floor * abs(exact)
+        bound = m * abs(line[f"oracle_{key}"] - exact) + floor * abs(exact)
         ratios[label] = rel_err(abs(line[key] - exact), bound)
     for name in params:
         p = line["params"][name]
-        bound = m * p["grad_hf_fp64_rmse"] + floor * p["grad_fp64_rms"]
+        bound = m * p["grad_oracle_fp64_rmse"] + floor * p["grad_fp64_rms"]
         ratios[f"{name} grad"] = rel_err(p["grad_fp64_rmse"], bound)
     return ratios
 
 
 def malformed_fp64(line: dict, params: list[str]) -> str | None:
     """What a record lacks for ``fidelity-fp64``: the float64 run of a bf16-mixed arm."""
-    for key in (*SCALARS, *(f"hf_{k}" for k in SCALARS), *FP64_SCALARS):
+    for key in (*SCALARS, *(f"oracle_{k}" for k in SCALARS), *FP64_SCALARS):
         if not _number(line.get(key)):
             return f"no number {key!r} (fidelity-fp64 judges an arm in precision bf16-mixed)"
     recorded = line.get("params")
@@ -212,7 +218,7 @@ def judge_fp64(name: str, lines: list[dict], steps: int, tiers: dict[str, float]
     at every step, and the median of those over the steps at most 1.
 
     The median, not every step: routing is discontinuous, and a bf16-sized change of a router's
-    input flips a near-tie token to another expert, in the reference and in Hugging Face alike,
+    input flips a near-tie token to another expert, in the reference and in the oracle alike,
     each at its own steps. Such a flip breaks any multiple at a step or two; an error in the
     arithmetic (an fp32 upcast dropped) breaks it at most steps.
     """
@@ -232,7 +238,7 @@ def judge_fp64(name: str, lines: list[dict], steps: int, tiers: dict[str, float]
     medians = {
         label: statistics.median(math.inf if math.isnan(r) else r for r, _ in rs) for label, rs in per_quantity.items()
     }
-    bound = f"{tiers['multiple']:g} x Hugging Face's + {tiers['floor']:g} of the float64 value"
+    bound = f"{tiers['multiple']:g} x {oracle_of(lines)}'s + {tiers['floor']:g} of the float64 value"
     over = sorted((m, label) for label, m in medians.items() if not m <= 1)[::-1]
     if over:
         shown = "; ".join(
@@ -261,9 +267,9 @@ def _failure(name: str, step: int, over: list[tuple[float, str, float]], line: d
         name,
         KIND,
         "fail",
-        f"step {step}: {shown}{more}",
+        f"step {step}: {shown}{more} (against {oracle_of([line])})",
         first_divergent_step=step,
-        values={"reference": line["loss"], "hf": line["hf_loss"]},
+        values={"reference": line["loss"], "oracle": line["oracle_loss"]},
         max_rel_diff=over[0][0],
         extra={"over_tier": {label: err for err, label, _ in over}},
     )

@@ -1,24 +1,44 @@
 """Independent implementations the reference is trained against in lockstep (oracles).
 
-An arm that sets ``oracle = "hf"`` trains the reference as usual and, step by step, Hugging Face
-``transformers.DeepseekV3ForCausalLM`` on the same weights and batches (:mod:`harness.oracles.hf`).
-This module says, without importing the oracle, what it needs, so that a suite asking for it is
-refused before anything is launched; which arms have a Hugging Face counterpart is the reference
-subject's to say (``harness.subject.reference.arms.unsupported_by_hf``).
+An arm that sets ``oracle = "<name>"`` trains the reference as usual and, step by step, the oracle's
+own model on the same weights and batches (:mod:`harness.oracles.lockstep`): Hugging Face
+``transformers.DeepseekV3ForCausalLM`` (``"hf"``, :mod:`harness.oracles.hf`) or torchtitan's
+DeepSeek-V3 (``"torchtitan"``, :mod:`harness.oracles.torchtitan`). This module says, without
+importing an oracle, what it needs, so that a suite asking for it is refused before anything is
+launched; which arms have a counterpart in an oracle is the reference subject's to say
+(``harness.subject.reference.arms.unsupported_by``).
 """
 
 from __future__ import annotations
 
 import importlib.util
-
-ORACLES = ("hf",)
-INSTALL_HINT = "pip install 'harness[fidelity]'"
+from dataclasses import dataclass
 
 
-def missing_dependency() -> str | None:
-    """Why the Hugging Face oracle cannot run here (transformers not importable), or None."""
-    try:
-        found = importlib.util.find_spec("transformers") is not None
-    except (ImportError, ValueError):  # a module blocked by a None entry in sys.modules
-        found = False
-    return None if found else f"needs transformers, which is not installed: {INSTALL_HINT}"
+@dataclass(frozen=True)
+class Oracle:
+    """An oracle: what its messages call it, the modules it imports, and the line that installs them."""
+
+    label: str
+    modules: tuple[str, ...]
+    install: str
+
+
+_PIP = "pip install -c constraints.txt"
+ORACLES = {
+    "hf": Oracle("Hugging Face", ("transformers",), f"{_PIP} 'harness[fidelity]'"),
+    "torchtitan": Oracle("torchtitan", ("torchtitan", "triton"), f"{_PIP} 'harness[torchtitan]'"),
+}
+
+
+def missing_dependency(name: str) -> str | None:
+    """Why oracle ``name`` cannot run here (a module it needs is not importable), or None."""
+    oracle = ORACLES[name]
+    for module in oracle.modules:
+        try:
+            found = importlib.util.find_spec(module) is not None
+        except (ImportError, ValueError):  # a module blocked by a None entry in sys.modules
+            found = False
+        if not found:
+            return f"needs {module}, which is not installed: {oracle.install}"
+    return None

@@ -3,8 +3,8 @@ turned into the harness's :class:`~harness.subject.protocol.Recorder` calls.
 
 The trainer follows the arm's config: ``Trainer`` for a plain arm (traced or eager chunking),
 ``VersionedTrainer`` or ``DelayedOracleTrainer`` for a versioned one (``trainer``), ``PECTrainer`` for
-a PEC table, and Hugging Face in lockstep (:mod:`harness.oracles.hf`, imported only then) for an
-arm with ``oracle = "hf"``. A versioned trainer counts its updates from 0 and its batches like
+a PEC table, and an oracle's model in lockstep (:mod:`harness.oracles.lockstep`; the oracle's
+module imported only then) for an arm with ``oracle = "hf"`` or ``"torchtitan"``. A versioned trainer counts its updates from 0 and its batches like
 steps; here its update k becomes step k + 1, so that at delay 0 it trains on the data a plain
 Trainer sees at the same step, and the two compare exactly.
 """
@@ -51,10 +51,11 @@ class ReferenceArm:
                     rank, step + self.offset, _update(update)
                 ),
             }
-        if context.arm.oracle == "hf":
-            from harness.oracles.hf import HFLockstep
+        if context.arm.oracle:
+            from harness.oracles.lockstep import Lockstep
 
-            return HFLockstep(config, **sinks, fidelity_sink=recorder.fidelity if recorder else None)
+            counterpart = _counterpart(context.arm.oracle)
+            return Lockstep(config, counterpart, **sinks, fidelity_sink=recorder.fidelity if recorder else None)
         if isinstance(config, PipelineConfig):
             return PIPELINE_TRAINERS[config.trainer](config, **sinks)
         if isinstance(config, PECConfig):
@@ -100,6 +101,17 @@ class ReferenceArm:
 
     def close(self) -> None:
         self.trainer.close()
+
+
+def _counterpart(oracle: str) -> Callable:
+    """The oracle's model class, imported only for an arm that trains against it."""
+    if oracle == "hf":
+        from harness.oracles.hf import HuggingFace
+
+        return HuggingFace
+    from harness.oracles.torchtitan import Torchtitan
+
+    return Torchtitan
 
 
 def _update(update: ReferenceUpdate) -> RankUpdate:

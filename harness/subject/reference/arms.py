@@ -284,8 +284,8 @@ def _arm(
 
 def _oracle(value: Any, dotted: str, config: TrainConfig, v: SuiteReader) -> str:
     """An oracle the arm's configuration has a counterpart in, and whose package is installed."""
-    oracle = v.str_(value, dotted, oracles.ORACLES)
-    problem = unsupported_by_hf(config) or oracles.missing_dependency()
+    oracle = v.str_(value, dotted, tuple(oracles.ORACLES))
+    problem = UNSUPPORTED_BY[oracle](config) or oracles.missing_dependency(oracle)
     if problem:
         raise v.error(dotted, problem)
     return oracle
@@ -305,6 +305,26 @@ def unsupported_by_hf(config: TrainConfig) -> str | None:
     if scoring != "sigmoid":
         return f"needs a model with sigmoid scoring: Hugging Face has no {scoring}"
     return None
+
+
+def unsupported_by_torchtitan(config: TrainConfig) -> str | None:
+    """Why an arm's configuration has no torchtitan counterpart, or None.
+
+    torchtitan's DeepSeek-V3 routes as the reference does (learned, or round-robin forced balance),
+    but it trains one dense model, casts its experts to bf16 (the oracle keeps them in fp32, so it
+    owes fp32 bits) and does not scale cos/sin for YaRN.
+    """
+    if type(config) is not TrainConfig:
+        return "needs a plain arm: torchtitan's model has no delayed pipeline or PEC embedding (unset their fields)"
+    if config.mixed or config.dtype != "float32":
+        return 'needs precision = "pure" in dtype float32: the torchtitan oracle is held to fp32 bits'
+    rope = config.model_config().rope_type
+    if rope != "default":
+        return f"needs a model with rope_type 'default': torchtitan does not scale cos/sin for {rope}"
+    return None
+
+
+UNSUPPORTED_BY = {"hf": unsupported_by_hf, "torchtitan": unsupported_by_torchtitan}
 
 
 def _pipeline(config: PipelineConfig, source: Callable[[str], str], steps: int, v: SuiteReader) -> None:

@@ -1,15 +1,16 @@
-"""torchtitan's own DeepSeek-V3 (0.3.0, the `torchtitan` extra) built to compute what a reference
-model config computes, with the reference's weights: the counterpart the tests hold the reference
-against. Three semantic differences are lined up, each of which moves numbers by 1e-4 or more:
+"""torchtitan's own DeepSeek-V3 (0.3.0, the ``torchtitan`` extra), the ``"torchtitan"`` oracle's model:
+built to compute what a reference model config computes, with the reference's weights. It is the
+code the reference's MoE mirrors. Three semantic differences are lined up, each of which moves
+numbers by 1e-4 or more:
 
 - the routed experts in fp32: torchtitan's ``GroupedExperts.forward`` casts inputs and weights to
-  bf16 unconditionally, so its grouped matmuls are replaced with fp32 ones (same op,
-  ``torch._grouped_mm``);
+  bf16 unconditionally, so its grouped matmuls are replaced, on each built model, with fp32 ones
+  (the same op, ``torch._grouped_mm``);
 - every RMSNorm's eps from the config (torchtitan's default is 1e-5, DeepSeek-V3's 1e-6);
 - attention through SDPA (``ScaledDotProductAttention``, causal): FlexAttention, torchtitan's
   default, has no CPU backward.
 
-YaRN is left out: torchtitan does not scale cos/sin for it. Weights travel by name (torchtitan's
+YaRN is refused: torchtitan does not scale cos/sin for it. Weights travel by name (torchtitan's
 state-dict adapter for the dense tensors; the fused ``gate_up_proj`` split into ``w1`` and ``w3``).
 """
 
@@ -28,8 +29,10 @@ from torchtitan.models.common.moe import GroupedExperts, TokenChoiceTopKRouter
 from torchtitan.models.deepseek_v3.state_dict_adapter import DeepSeekV3StateDictAdapter
 
 from harness.reference.model import DeepseekV3Config
+from harness.reference.train import TrainConfig
 
 _EXPERTS = re.compile(r"model\.layers\.(\d+)\.mlp\.experts\.(gate_up_proj|down_proj)$")
+_TITAN_EXPERTS = re.compile(r"layers\.(\d+)\.moe\.routed_experts\.inner_experts\.(w1_EFD|w2_EDF|w3_EFD)$")
 
 
 def titan_config(
@@ -111,6 +114,7 @@ def _fp32_experts(self: GroupedExperts, x_RD: torch.Tensor, num_tokens_per_exper
 
 
 def build(config: titan.DeepSeekV3Model.Config, fp32_experts: bool = True) -> torch.nn.Module:
+    """torchtitan's model of ``config``, its routed experts in fp32 unless ``fp32_experts`` is False."""
     model = config.build()
     for module in model.modules():
         if fp32_experts and isinstance(module, GroupedExperts):
@@ -122,9 +126,11 @@ class Names:
     """The reference's (Hugging Face's) tensor names and torchtitan's, both ways."""
 
     def __init__(self, config: titan.DeepSeekV3Model.Config) -> None:
-        self.dense = DeepSeekV3StateDictAdapter(config, None).from_hf_map
+        self.titan_of = DeepSeekV3StateDictAdapter(config, None).from_hf_map
+        self.reference_of = {titan_name: name for name, titan_name in self.titan_of.items()}
 
     def to_titan(self, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """The reference's tensors (copies) under torchtitan's names, ``gate_up_proj`` split."""
         out = {}
         for name, tensor in state.items():
             if match := _EXPERTS.match(name):
@@ -134,24 +140,57 @@ class Names:
                 else:
                     out[base + "w2_EDF"] = tensor.clone()
             else:
-                out[self._dense(name)] = tensor.clone()
+                out[_rename(name, self.titan_of)] = tensor.clone()
         return out
 
-    def from_titan(self, tensors: dict[str, torch.Tensor], names: list[str]) -> dict[str, torch.Tensor]:
-        """``tensors`` (torchtitan's names) under the reference's ``names``."""
+    def from_titan(self, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """torchtitan's tensors under the reference's names, ``w1`` and ``w3`` fused into ``gate_up_proj``."""
         out = {}
-        for name in names:
-            if match := _EXPERTS.match(name):
-                base = f"layers.{match[1]}.moe.routed_experts.inner_experts."
-                if match[2] == "gate_up_proj":
-                    out[name] = torch.cat([tensors[base + "w1_EFD"], tensors[base + "w3_EFD"]], dim=1)
-                else:
-                    out[name] = tensors[base + "w2_EDF"]
+        for name, tensor in tensors.items():
+            if match := _TITAN_EXPERTS.match(name):
+                experts = f"model.layers.{match[1]}.mlp.experts."
+                if match[2] == "w1_EFD":
+                    w3 = tensors[name.removesuffix("w1_EFD") + "w3_EFD"]
+                    out[experts + "gate_up_proj"] = torch.cat([tensor, w3], dim=1)
+                elif match[2] == "w2_EDF":
+                    out[experts + "down_proj"] = tensor
             else:
-                out[name] = tensors[self._dense(name)]
+                out[_rename(name, self.reference_of)] = tensor
         return out
 
-    def _dense(self, name: str) -> str:
-        layer = re.search(r"\.(\d+)\.", name)
-        key = re.sub(r"\.(\d+)\.", ".{}.", name, count=1)
-        return self.dense[key].format(layer[1]) if layer else self.dense[key]
+
+def _rename(name: str, mapping: dict[str, str]) -> str:
+    """``name`` through an adapter map whose keys hold the layer index as ``{}``."""
+    layer = re.search(r"\.(\d+)\.", name)
+    key = re.sub(r"\.(\d+)\.", ".{}.", name, count=1)
+    return mapping[key].format(layer[1]) if layer else mapping[key]
+
+
+class Torchtitan:
+    """The ``"torchtitan"`` oracle's :class:`~harness.oracles.lockstep.Counterpart`: forced-balanced
+    routing is torchtitan's own round-robin (``_debug_force_load_balance``)."""
+
+    label = "torchtitan"
+
+    def __init__(self, config: TrainConfig) -> None:
+        self.titan = titan_config(config.model_config(), forced_balanced=config.routing == "forced-balanced")
+        self.names = Names(self.titan)
+
+    def build(self, dtype: torch.dtype, device: torch.device) -> torch.nn.Module:
+        """In float32, the only dtype an arm against torchtitan may have: ``Module.to(dtype)``
+        would also cast the complex RoPE cache, dropping its imaginary part."""
+        assert dtype == torch.float32, dtype
+        return build(self.titan).to(device).train()
+
+    def load(self, model: torch.nn.Module, weights: dict[str, torch.Tensor]) -> None:
+        """Every parameter and correction bias; only torchtitan's token counters are not the reference's."""
+        missing, unexpected = model.load_state_dict(self.names.to_titan(weights), strict=False)
+        counters = [name for name in missing if not name.endswith("tokens_per_expert_E")]
+        if counters or unexpected:
+            raise RuntimeError(f"torchtitan's model lacks {counters} and has no counterpart of {unexpected}")
+
+    def logits(self, model: torch.nn.Module, inputs: torch.Tensor) -> torch.Tensor:
+        return model(inputs)
+
+    def as_reference(self, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        return self.names.from_titan(tensors)
