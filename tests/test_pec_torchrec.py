@@ -122,7 +122,8 @@ def test_without_torchrec_the_suite_is_refused_with_the_install_line(run_harness
         ),
         (
             ("--set", "pec=sequential"),
-            "arms.adagrad.oracle: needs pec = \"pipelined\", the order of torchrec's TrainPipelinePEC, got 'sequential'",
+            'arms.adagrad.oracle: needs pec = "pipelined", the order of torchrec\'s TrainPipelinePEC,'
+            " got 'sequential'",
         ),
     ],
 )
