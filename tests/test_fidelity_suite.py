@@ -43,6 +43,7 @@ def line(step: int, **errors: float) -> dict:
     }
     return {
         "step": step,
+        "oracle": "Hugging Face",
         "loss": 5.0 * (1 + errors.get("loss", 0.0)),
         "oracle_loss": 5.0,
         "grad_norm": 1.0,
@@ -64,13 +65,14 @@ def test_a_diverging_gradient_fails_naming_the_first_step_and_the_parameter() ->
     assert result.status == "fail" and result.first_divergent_step == 2
     assert result.detail == (
         f"step 2: {PARAMS[1]} grad rel err 3.0e-02 > 1e-05; {PARAMS[0]} grad rel err 2.0e-05 > 1e-05"
+        " (against Hugging Face)"
     )
 
 
 def test_weights_are_judged_at_their_own_tier() -> None:
     assert judge("a", [line(1, p0_weight=5e-4)], 1, TIERS).status == "pass"
     result = judge("a", [line(1, p0_weight=2e-3)], 1, TIERS)
-    assert result.detail == f"step 1: {PARAMS[0]} weight rel err 2.0e-03 > 0.001"
+    assert result.detail == f"step 1: {PARAMS[0]} weight rel err 2.0e-03 > 0.001 (against Hugging Face)"
 
 
 @pytest.mark.parametrize(
@@ -93,7 +95,7 @@ def test_nan_and_a_difference_against_an_all_zero_tensor_fail() -> None:
     assert judge("a", [line(1, p0_grad=math.nan)], 1, TIERS).detail.startswith(f"step 1: {PARAMS[0]} grad rel err nan")
     zero = line(1, p1_grad=1e-9)
     zero["params"][PARAMS[1]]["grad_oracle_max"] = 0.0
-    assert judge("a", [zero], 1, TIERS).detail == f"step 1: {PARAMS[1]} grad rel err inf > 1e-05"
+    assert judge("a", [zero], 1, TIERS).detail == f"step 1: {PARAMS[1]} grad rel err inf > 1e-05 (against Hugging Face)"
 
 
 SUITE = """
@@ -131,7 +133,8 @@ def _error(tmp_path: Path, text: str) -> str:
          "arms.hf2.oracle: needs a plain arm: Hugging Face has no delayed pipeline or PEC embedding"),
         ('[[checks]]\nkind = "fidelity"\n[arms.hf2]\noracle = "hf"\npec = "pipelined"',
          "arms.hf2.oracle: needs a plain arm: Hugging Face has no delayed pipeline or PEC embedding"),
-        ('[[checks]]\nkind = "fidelity"\n[arms.hf2]\noracle = "jax"', "arms.hf2.oracle: expected one of hf"),
+        ('[[checks]]\nkind = "fidelity"\n[arms.hf2]\noracle = "jax"',
+         "arms.hf2.oracle: expected one of hf, torchtitan"),
         ('[[checks]]\nkind = "fidelity"\n[arms.hf2]\nmodel = "cpu-huge"', "arms.hf2.model: expected one of"),
     ],
 )  # fmt: skip
@@ -150,7 +153,8 @@ def test_an_oracle_arm_is_refused_where_a_model_override_leaves_hugging_face(tmp
 
 def test_without_an_oracle_arm_the_check_is_refused(tmp_path: Path) -> None:
     text = SUITE.replace('oracle = "hf"\n', "") + '[[checks]]\nkind = "fidelity"'
-    assert _error(tmp_path, text) == 'FILE: checks.0: needs an arm with an oracle (oracle = "hf"); the suite has none'
+    expected = 'FILE: checks.0: needs an arm with an oracle (oracle = "hf" or "torchtitan"); the suite has none'
+    assert _error(tmp_path, text) == expected
 
 
 @needs_transformers
@@ -278,6 +282,6 @@ def test_without_transformers_the_suite_is_refused_with_the_install_hint(run_har
     assert run.returncode == 2, run.stdout + run.stderr
     assert run.stderr == (
         "error: suites/fidelity.toml: arms.q-lora.oracle: needs transformers, which is not installed:"
-        " pip install 'harness[fidelity]'\n"
+        " pip install -c constraints.txt 'harness[fidelity]'\n"
     )
     assert not out.exists()

@@ -346,18 +346,26 @@ class MLP(nn.Module):
 # (T * K, in expert order, so grouped by destination rank), R rows received for this rank's experts.
 
 
+ROUTER_FAULTS = ("router-upcast-dropped", "routed-scaling-twice")
+
+
 class TopkRouter(nn.Module):
     """DeepSeek-V3 router: sigmoid/softmax scores, score-correction bias, group-limited top-k; or,
     ``forced_balanced``, torchtitan's forced load balance, which ignores the scores for the choice.
 
     The scores are computed in fp32 whatever autocast would do: they choose the experts and weight
-    their outputs. ``upcast=False`` is a planted bug (fault ``router-upcast-dropped``): under bf16
-    autocast the logits, and the sigmoid or softmax over them, are then bf16.
+    their outputs. ``fault`` plants a bug (:data:`ROUTER_FAULTS`): ``router-upcast-dropped`` leaves
+    the logits, and the sigmoid or softmax over them, in bf16 under bf16 autocast;
+    ``routed-scaling-twice`` multiplies the weights by ``routed_scaling_factor`` twice.
     """
 
-    def __init__(self, cfg: DeepseekV3Config, forced_balanced: bool, upcast: bool = True) -> None:
+    def __init__(self, cfg: DeepseekV3Config, forced_balanced: bool, fault: str = "none") -> None:
         super().__init__()
-        self.cfg, self.forced_balanced, self.upcast = cfg, forced_balanced, upcast
+        if fault not in ("none", *ROUTER_FAULTS):
+            raise ValueError(f"router fault must be one of {ROUTER_FAULTS}, got {fault!r}")
+        self.cfg, self.forced_balanced = cfg, forced_balanced
+        self.upcast = fault != "router-upcast-dropped"
+        self.scale = cfg.routed_scaling_factor ** (2 if fault == "routed-scaling-twice" else 1)
         self.weight = nn.Parameter(torch.empty(cfg.n_routed_experts, cfg.hidden_size))
         self.register_buffer("e_score_correction_bias", torch.zeros(cfg.n_routed_experts))
 
@@ -380,7 +388,7 @@ class TopkRouter(nn.Module):
         weights = scores.gather(1, ids)
         if cfg.norm_topk_prob:
             weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
-        return ids, weights * cfg.routed_scaling_factor
+        return ids, weights * self.scale
 
     def _group_limited_topk(self, scores: torch.Tensor) -> torch.Tensor:
         cfg = self.cfg
@@ -523,14 +531,14 @@ class MoE(nn.Module):
     """
 
     def __init__(
-        self, cfg: DeepseekV3Config, layer_id: int, ep_size: int, forced_balanced: bool, router_upcast: bool = True
+        self, cfg: DeepseekV3Config, layer_id: int, ep_size: int, forced_balanced: bool, router_fault: str = "none"
     ) -> None:
         super().__init__()
         if cfg.n_routed_experts % ep_size:
             raise ValueError(f"EP degree {ep_size} does not divide n_routed_experts {cfg.n_routed_experts}")
         self.layer_id, self.forced_balanced = layer_id, forced_balanced
         self.num_local = cfg.n_routed_experts // ep_size
-        self.gate = TopkRouter(cfg, forced_balanced, router_upcast)
+        self.gate = TopkRouter(cfg, forced_balanced, router_fault)
         self.experts = GroupedExperts(cfg, self.num_local)
         self.shared_experts = MLP(cfg.hidden_size, cfg.moe_intermediate_size * cfg.n_shared_experts, cfg.hidden_act)
         self.dispatcher = TokenDispatcher(cfg, ep_size, forced_balanced)
@@ -634,12 +642,12 @@ def _on_moe_chunk(stage: Stage[MoEChunk]) -> Stage[BlockChunk]:
 
 class DecoderLayer(nn.Module):
     def __init__(
-        self, cfg: DeepseekV3Config, layer_id: int, ep_size: int, forced_balanced: bool, router_upcast: bool = True
+        self, cfg: DeepseekV3Config, layer_id: int, ep_size: int, forced_balanced: bool, router_fault: str = "none"
     ) -> None:
         super().__init__()
         self.self_attn = MLAttention(cfg)
         self.mlp = (
-            MoE(cfg, layer_id, ep_size, forced_balanced, router_upcast)
+            MoE(cfg, layer_id, ep_size, forced_balanced, router_fault)
             if cfg.is_moe_layer(layer_id)
             else MLP(cfg.hidden_size, cfg.intermediate_size, cfg.hidden_act)
         )
@@ -671,13 +679,13 @@ class DecoderLayer(nn.Module):
 
 
 class DeepseekV3Model(nn.Module):
-    def __init__(self, cfg: DeepseekV3Config, ep_size: int, forced_balanced: bool, router_upcast: bool = True) -> None:
+    def __init__(self, cfg: DeepseekV3Config, ep_size: int, forced_balanced: bool, router_fault: str = "none") -> None:
         super().__init__()
         self.cfg = cfg
         # The pad token's row gets no gradient from the lookup.
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size, padding_idx=cfg.pad_token_id)
         self.layers = nn.ModuleList(
-            DecoderLayer(cfg, i, ep_size, forced_balanced, router_upcast) for i in range(cfg.num_hidden_layers)
+            DecoderLayer(cfg, i, ep_size, forced_balanced, router_fault) for i in range(cfg.num_hidden_layers)
         )
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
@@ -692,8 +700,8 @@ class DeepseekV3Model(nn.Module):
 class DeepseekV3ForCausalLM(nn.Module):
     """The model of one logical EP rank: all dense weights, ``n_routed_experts / ep_size`` experts.
 
-    ``forced_balanced`` is the routing mode of every MoE layer (see :class:`MoE`); ``router_upcast``
-    False plants the bug :class:`TopkRouter` describes.
+    ``forced_balanced`` is the routing mode of every MoE layer (see :class:`MoE`); ``router_fault``
+    plants one of the bugs :class:`TopkRouter` describes.
     """
 
     def __init__(
@@ -703,11 +711,11 @@ class DeepseekV3ForCausalLM(nn.Module):
         ep_size: int = 1,
         *,
         forced_balanced: bool = True,
-        router_upcast: bool = True,
+        router_fault: str = "none",
     ) -> None:
         super().__init__()
         self.cfg, self.ep_rank, self.ep_size = cfg, ep_rank, ep_size
-        self.model = DeepseekV3Model(cfg, ep_size, forced_balanced, router_upcast)
+        self.model = DeepseekV3Model(cfg, ep_size, forced_balanced, router_fault)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
@@ -776,6 +784,7 @@ def causal_lm_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
 
 
 __all__ = [
+    "ROUTER_FAULTS",
     "ACTIVATIONS",
     "CONFIG_FIELDS",
     "CONFIGS",

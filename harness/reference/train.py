@@ -37,6 +37,7 @@ from harness.reference.chunking.schedule import EPScheduler
 from harness.reference.ep.exchange import EventSink, TokenExchange, bind
 from harness.reference.ep.group import LogicalGroup
 from harness.reference.model import (
+    ROUTER_FAULTS,
     DeepseekV3Config,
     DeepseekV3ForCausalLM,
     MLAttention,
@@ -61,8 +62,6 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 # master weights, optimizer state, gradients (and their reduction), loss and grad norm; the forward
 # under bf16 autocast, the router in fp32, tokens exchanged in bf16.
 PRECISIONS = ("pure", "bf16-mixed")
-# Planted in the model, not in a graph pass: a bug that only bf16 compute shows.
-MODEL_FAULTS = ("router-upcast-dropped",)
 
 
 @dataclass(frozen=True)
@@ -88,7 +87,8 @@ class TrainConfig:
     dtype: str = "float32"
     precision: str = "pure"  # PRECISIONS
     # A deliberate bug the checks must catch: a graph pass broken (graph_step.FAULTS, graph arms
-    # only), or the router's fp32 upcast dropped (MODEL_FAULTS, bf16-mixed only).
+    # only), or a router bug (ROUTER_FAULTS: its fp32 upcast dropped, bf16-mixed only; the routed
+    # scaling factor applied twice, which only an oracle sees: every arm would apply it twice).
     fault: str = "none"
     compile_attention: bool = False  # regional Inductor: only the attention modules are compiled
 
@@ -97,11 +97,11 @@ class TrainConfig:
             raise ValueError(f"routing must be one of {ROUTINGS}, got {self.routing!r}")
         if self.chunking not in CHUNKINGS:
             raise ValueError(f"chunking must be one of {CHUNKINGS}, got {self.chunking!r}")
-        if self.fault not in (*FAULTS, *MODEL_FAULTS):
-            raise ValueError(f"fault must be one of {(*FAULTS, *MODEL_FAULTS)}, got {self.fault!r}")
+        if self.fault not in (*FAULTS, *ROUTER_FAULTS):
+            raise ValueError(f"fault must be one of {(*FAULTS, *ROUTER_FAULTS)}, got {self.fault!r}")
         if self.fault in FAULTS and self.fault != "none" and self.chunking != "graph":
             raise ValueError(f"fault {self.fault!r} breaks a graph pass: it needs chunking = 'graph'")
-        if self.fault in MODEL_FAULTS and self.precision != "bf16-mixed":
+        if self.fault == "router-upcast-dropped" and self.precision != "bf16-mixed":
             raise ValueError(f"fault {self.fault!r} shows in bf16 compute only: it needs precision = 'bf16-mixed'")
         if self.chunking in TRACED and self.routing != "forced-balanced":
             raise ValueError(
@@ -216,7 +216,7 @@ class _Replica:
             ep_rank=rank,
             ep_size=config.ep,
             forced_balanced=config.routing == "forced-balanced",
-            router_upcast=config.fault != "router-upcast-dropped",
+            router_fault=config.fault if config.fault in ROUTER_FAULTS else "none",
         )
         self.model.init_weights(torch.Generator().manual_seed(config.seed))
         prepare_model(rank, self.model)
