@@ -18,17 +18,18 @@ receive the ids of each part (torchrec's input dist), as the ``KeyedJaggedTensor
 ``PECGradientApply.apply`` looks up again in the TBE, whose backward steps the fused optimizer.
 
 **The pipelined order** (``torchrec/distributed/train_pipeline/pec_train_pipeline.py``, 1.9.2,
-``TrainPipelinePEC.progress``): ``TrainPipelinePEC`` calls ``torch.cuda.Event()`` in its
+``TrainPipelinePEC.progress`` from line 449): ``TrainPipelinePEC`` calls ``torch.cuda.Event()`` in its
 ``__init__`` (line 70), so on CPU torch it cannot be built; its steps run here at the same points of
 the reference's step:
 
-* before forward N: #6 ``_start_deferred_nol_grad`` (lines 498-501): ``grad_dist`` of NOL N-1,
+* before forward N (line 524): #6 ``_start_deferred_nol_grad`` (line 503), ``grad_dist`` of NOL N-1,
   i.e. ``PECGradientApply.dist()``;
-* after forward N: #9 ``_wait_pec_grad`` of those (lines 522-524): ``apply()``, NOL N-1;
+* after forward N: #9 ``_wait_pec_grad`` of those (line 532), ``apply()`` of NOL N-1;
 * backward N: #11 ``_backward`` (line 550): ``PECAll2AllSeqWait.backward`` builds the appliers;
-* after backward N: #12 ``_start_pec_ol_grad`` (lines 561-563): ``dist()`` of OL N;
-* after the dense optimizer step N (#13, line 566): #14 ``apply()`` of OL N, then ``_defer_nol_grad``
-  hands NOL N to the next call, or on the last batch drains it in place (lines 569-576).
+* after backward N: #12 ``_start_pec_ol_grad`` (line 562), ``dist()`` of OL N;
+* after the dense optimizer step N (#13, line 566): #14 ``apply()`` of OL N (line 571), then
+  ``_defer_nol_grad`` hands NOL N to the next call, or on the last batch drains it in place
+  (lines 572-576).
 
 **Events.** For the time of the oracle, ``PECGradientApply.dist`` and ``apply`` are wrapped (the
 one patch made to torchrec at run time): the first ``dist()`` of an applier and every ``apply()``
@@ -65,7 +66,7 @@ from torchrec.distributed.pec_comm_ops import PECAll2AllSeqInfo, PECAll2AllSeqWa
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from harness.reference.model import DeepseekV3ForCausalLM
-from harness.reference.pec import ADAGRAD_EPS, PECConfig, PECTrainer, ShardedEmbedding
+from harness.reference.pec import ADAGRAD_EPS, Lookup, PECConfig, PECTrainer, ShardedEmbedding
 from harness.reference.pec import MODULE as REFERENCE_MODULE
 
 MODULE = "torchrec:" + REFERENCE_MODULE  # the oracle's table in the PEC events and the records
@@ -104,7 +105,7 @@ class TorchrecTable:
             self.weight.copy_(reference.weight)
         self.infos: dict[int, tuple[PECAll2AllSeqInfo, dict[str, _Part]]] = {}  # batch -> torchrec's ctx, parts
         self._started: set[int] = set()  # id() of the appliers whose dist() ran
-        self._looked_up = None
+        self._looked_up: Lookup | None = None
         reference.register_forward_pre_hook(self._keep_lookup)
         reference.register_forward_hook(self._forward)
 
