@@ -42,6 +42,8 @@ def test_the_suite_passes_against_torchtitan_on_both_ep_layouts_and_routings(run
         lines = read_jsonl(out / "arms" / arm / "fidelity.jsonl")
         assert [r["step"] for r in lines] == [1, 2, 3, 4]
         assert {r["oracle"] for r in lines} == {"torchtitan"}
+        # EP=2 on 2 processes runs torchtitan's own expert parallelism; in one process, all its experts.
+        assert {r["oracle_processes"] for r in lines} == {1 if arm == "learned-one-process" else 2}
         # Every parameter, experts included, under the reference's names, with a gradient to compare.
         assert all(len(r["params"]) == 45 for r in lines)
         assert all(p["grad_oracle_max"] > 0 for r in lines for p in r["params"].values())
@@ -63,6 +65,33 @@ def test_the_routed_scaling_factor_applied_twice_fails_naming_the_step_and_tenso
         tensor = r"step 1: model\.layers\.\d\.mlp\.(experts|gate)\.\S+ (grad|adam_[mv]) rel err"
         assert re.match(tensor, check["detail"]), check["detail"]
         assert check["detail"].endswith("(against torchtitan)"), check["detail"]
+
+
+# Each adjustment of torchtitan's expert parallelism undone (harness/oracles/torchtitan.py).
+DEFAULT_SPMD_BACKEND = """
+import harness.oracles.torchtitan as titan
+
+titan.SPMD_BACKEND = "spmd_types"
+"""
+MESH_ON_TORCHTITANS_DEVICE_TYPE = """
+import types
+
+import harness.oracles.torchtitan as titan
+
+titan.parallel_dims = types.SimpleNamespace(ParallelDims=titan.parallel_dims.ParallelDims)
+"""
+
+
+@pytest.mark.parametrize(
+    "undone", [DEFAULT_SPMD_BACKEND, MESH_ON_TORCHTITANS_DEVICE_TYPE], ids=["spmd-backend", "device-type"]
+)
+def test_each_adjustment_of_torchtitans_expert_parallelism_is_needed(
+    run_harness, plant, tmp_path: Path, undone: str
+) -> None:
+    out = tmp_path / "run"
+    run = run_harness("run", "fidelity-torchtitan", "--ranks", 2, "--steps", 1, "--out", out, env=plant(undone))
+    assert run.returncode == 3, run.stdout + run.stderr
+    assert "ERROR  launch: learned+forced" in run.stdout, run.stdout
 
 
 def _error(tmp_path: Path, text: str) -> str:

@@ -15,6 +15,7 @@ import transformers
 from torch import nn
 from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3TopkRouter
 
+from harness.reference.ep.group import LogicalGroup
 from harness.reference.model import DeepseekV3Config
 from harness.reference.train import TrainConfig
 
@@ -88,8 +89,9 @@ class HuggingFace:
     """The ``"hf"`` oracle's :class:`~harness.oracles.lockstep.Counterpart`."""
 
     label = "Hugging Face"
+    expert_parallel = False  # transformers has no expert parallelism
 
-    def __init__(self, config: TrainConfig) -> None:
+    def __init__(self, config: TrainConfig, group: LogicalGroup) -> None:
         self.config = config
 
     def build(self, dtype: torch.dtype, device: torch.device) -> nn.Module:

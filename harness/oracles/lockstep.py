@@ -36,7 +36,9 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.tensor import DTensor
 
+from harness.reference.ep.group import LogicalGroup
 from harness.reference.train import DTYPES, GradSink, TrainConfig, Trainer, UpdateSink, synthetic_batch
 
 Tensors = dict[str, torch.Tensor]
@@ -46,12 +48,16 @@ class Counterpart(Protocol):
     """An oracle's model of the arm's reference config, seen under the reference's tensor names."""
 
     label: str  # what the records and the check's messages call the oracle
+    # Whether every process holds the oracle's model, with its own logical rank's expert shard
+    # (expert parallelism through the oracle's own all-to-all), or process rank 0 all of it.
+    expert_parallel: bool
 
     def build(self, dtype: torch.dtype, device: torch.device) -> nn.Module:
         """The oracle's model, in ``dtype``, in training mode; its initial weights do not matter."""
 
     def load(self, model: nn.Module, weights: Tensors) -> None:
-        """Copy the reference's ``weights`` (its state dict, every expert) into ``model``."""
+        """Copy the reference's ``weights`` (its state dict: every expert, or under expert
+        parallelism this process's logical rank's) into ``model``."""
 
     def logits(self, model: nn.Module, inputs: torch.Tensor) -> torch.Tensor:
         """The model's logits of a batch of token ids."""
@@ -99,13 +105,15 @@ class Lockstep:
     """A reference :class:`Trainer` and an oracle's model stepped together; the arm's trainer.
 
     ``step`` returns the reference's metrics record, as ``Trainer.step`` does, and on process
-    rank 0 hands the fidelity record to ``fidelity_sink``.
+    rank 0 hands the fidelity record to ``fidelity_sink``. The oracle's model lives in process
+    rank 0 and takes the global batch, unless its counterpart is ``expert_parallel``: then every
+    process holds one, with this process's logical rank's expert shard, and takes that rank's batch.
     """
 
     def __init__(
         self,
         config: TrainConfig,
-        counterpart: Callable[[TrainConfig], Counterpart],
+        counterpart: Callable[[TrainConfig, LogicalGroup], Counterpart],
         event_sink: Callable[[int, dict], None] | None,
         fidelity_sink: Callable[[dict], None] | None,
         grad_sink: GradSink | None = None,
@@ -124,12 +132,13 @@ class Lockstep:
         self.expert_names = [n for n, p in model.named_parameters() if id(p) in expert_ids]
         self._grads: dict[int, Tensors] = {}  # logical rank -> its gradients, before clipping
         self._grads_lock = threading.Lock()
+        self.counterpart = counterpart(config, self.group)
+        self.recording = self.group.process_rank == 0
         self.oracle: nn.Module | None = None
         self.oracle64: nn.Module | None = None  # bf16-mixed: the float64 run
-        if self.group.process_rank == 0:
-            self.counterpart = counterpart(config)
+        if self.recording or self.counterpart.expert_parallel:
             self.oracle = self._build(DTYPES[config.dtype])
-            self.optimizer = torch.optim.AdamW(self.oracle.parameters(), lr=config.lr)
+            self.optimizer = torch.optim.AdamW(self.oracle.parameters(), lr=config.lr, foreach=False)
             if config.mixed:
                 self.oracle64 = self._build(torch.float64)
 
@@ -152,8 +161,10 @@ class Lockstep:
 
     def step(self, step: int) -> dict:
         """One lockstep step; every process calls it, as it calls ``Trainer.step``."""
-        weights = self._gather({r: replica.model.state_dict() for r, replica in self.trainer.replicas.items()})
+        states = {r: replica.model.state_dict() for r, replica in self.trainer.replicas.items()}
+        weights = states[self.group.local_ranks[0]] if self.counterpart.expert_parallel else self._gather(states)
         exact: dict = {}
+        theirs: dict[str, Tensors] = {}  # the oracle's tensors under the reference's names
         if self.oracle is not None:
             self.counterpart.load(self.oracle, weights)
             oracle_loss = self._loss_and_grads(self.oracle, step, self.config.compute(self.trainer.device))
@@ -163,49 +174,81 @@ class Lockstep:
         result = self.trainer.step(step)
         grads, self._grads = self._gather(self._grads), {}
         if self.oracle is not None:
-            oracle_grads = self._grads_of(self.oracle)
-            grad_diffs = differences(grads, oracle_grads, "grad")
+            theirs["grad"] = self._grads_of(self.oracle)
             if self.oracle64 is not None:
-                fp64_grads = self._grads_of(self.oracle64)
-                exact["fp64_grad_norm"] = torch.linalg.vector_norm(
-                    torch.stack([*map(torch.linalg.vector_norm, fp64_grads.values())])
-                ).item()
-                for name, errors in fp64_errors(grads, oracle_grads, fp64_grads).items():
-                    grad_diffs[name] |= errors
-                self.oracle64.zero_grad(set_to_none=True)
-            oracle_grad_norm = torch.nn.utils.clip_grad_norm_(self.oracle.parameters(), self.config.max_norm)
+                exact |= self._fp64_run(grads, theirs["grad"])
+            oracle_grad_norm = self._clip(self.oracle)
             self.optimizer.step()
             self.optimizer.zero_grad(set_to_none=True)
-        updated = self._gather(
-            {r: dict(replica.model.named_parameters()) for r, replica in self.trainer.replicas.items()}
-        )
-        moments = {key: self._gather(self._adam_state(key)) for key in ADAM_MOMENTS}
-        if self.oracle is not None and self.fidelity_sink is not None:
-            as_reference = self.counterpart.as_reference
-            weight_diffs = differences(updated, as_reference(dict(self.oracle.named_parameters())), "weight")
-            oracle_state = {n: self.optimizer.state[p] for n, p in self.oracle.named_parameters()}
+            params = dict(self.oracle.named_parameters())
+            theirs["weight"] = self._as_reference(params)
             for key, label in ADAM_MOMENTS.items():
-                theirs = as_reference({n: state[key] for n, state in oracle_state.items()})
-                for name, diff in differences(moments[key], theirs, label).items():
-                    weight_diffs[name] |= diff
+                theirs[label] = self._as_reference({n: self.optimizer.state[p][key] for n, p in params.items()})
+        ours = {
+            "grad": grads,
+            "weight": self._gather(
+                {r: dict(replica.model.named_parameters()) for r, replica in self.trainer.replicas.items()}
+            ),
+            **{label: self._gather(self._adam_state(key)) for key, label in ADAM_MOMENTS.items()},
+        }
+        if self.recording and self.fidelity_sink is not None:
+            params: dict[str, dict] = {name: {} for name in theirs["grad"]}
+            for what, tensors in theirs.items():
+                for name, diff in differences(ours[what], tensors, what).items():
+                    params[name] |= diff
+            for name, errors in exact.pop("grad_errors", {}).items():
+                params[name] |= errors
             self.fidelity_sink(
                 {
                     "step": step,
                     "oracle": self.counterpart.label,
+                    # how many processes the oracle's model spans (its own expert parallelism)
+                    "oracle_processes": self.group.processes if self.counterpart.expert_parallel else 1,
                     "loss": result["loss"],
                     "oracle_loss": oracle_loss,
                     "grad_norm": result["grad_norm"],
                     "oracle_grad_norm": oracle_grad_norm.item(),
                     **exact,
-                    "params": {name: {**grad_diffs[name], **weight_diffs[name]} for name in grad_diffs},
+                    "params": params,
                 }
             )
         return result
 
+    def _fp64_run(self, grads: Tensors, oracle_grads: Tensors) -> dict:
+        """The float64 run's grad norm and, per gradient, each side's error against it."""
+        fp64_grads = self._grads_of(self.oracle64)
+        norm = torch.linalg.vector_norm(torch.stack([*map(torch.linalg.vector_norm, fp64_grads.values())]))
+        self.oracle64.zero_grad(set_to_none=True)
+        return {"fp64_grad_norm": norm.item(), "grad_errors": fp64_errors(grads, oracle_grads, fp64_grads)}
+
+    def _as_reference(self, tensors: dict[str, torch.Tensor]) -> Tensors:
+        """The oracle's tensors, whole (an expert shard gathered from every process: collective
+        under expert parallelism), under the reference's names."""
+        whole = {n: t.full_tensor() if isinstance(t, DTensor) else t for n, t in tensors.items()}
+        return self.counterpart.as_reference(whole)
+
     def _grads_of(self, model: nn.Module) -> Tensors:
-        """Every parameter's gradient, under the reference's names; zeros for one the loss did not reach."""
-        grads = {n: p.grad if p.grad is not None else torch.zeros_like(p) for n, p in model.named_parameters()}
-        return self.counterpart.as_reference(grads)
+        """Every parameter's gradient as it is now (a copy: clipping scales them in place), under
+        the reference's names; zeros for one the loss did not reach."""
+        return self._as_reference(
+            {n: p.grad.clone() if p.grad is not None else torch.zeros_like(p) for n, p in model.named_parameters()}
+        )
+
+    def _clip(self, model: nn.Module) -> torch.Tensor:
+        """torch's global-norm clipping over the whole model. Under expert parallelism the expert
+        shards are DTensors, whose norm torch reduces over their processes, and the dense
+        parameters plain tensors (the same on every process): each kind's norm apart, as
+        torchtitan's ``clip_grad_norm_`` does with EP."""
+        params = [p for p in model.parameters() if p.grad is not None]
+        kinds = [[p for p in params if isinstance(p, DTensor)], [p for p in params if not isinstance(p, DTensor)]]
+        norms = []
+        for kind in kinds:
+            norm = torch.nn.utils.get_total_norm([p.grad for p in kind])
+            norms.append(norm.full_tensor() if isinstance(norm, DTensor) else norm)
+        total = torch.linalg.vector_norm(torch.stack(norms))
+        for kind in kinds:
+            torch.nn.utils.clip_grads_with_norm_(kind, self.config.max_norm, total)
+        return total
 
     def _adam_state(self, key: str) -> dict[int, Tensors]:
         """Each local logical rank's AdamW moment ``key`` per parameter, after this step."""
@@ -216,9 +259,12 @@ class Lockstep:
 
     def _loss_and_grads(self, model: nn.Module, step: int, compute: contextlib.AbstractContextManager) -> float:
         """Forward (under ``compute``) and backward of the global batch; the loss is the mean of the
-        ranks' mean NLLs, in float32 at least."""
+        logical ranks' mean NLLs, in float32 at least. Under expert parallelism each process takes
+        its own logical rank's batch, and the dense gradients and the loss are summed over the
+        processes (the expert shards' gradients come back through the oracle's all-to-all)."""
         vocab, device = self.trainer.cfg.vocab_size, self.trainer.device
-        batches = [synthetic_batch(self.config, vocab, step, rank) for rank in range(self.config.ep)]
+        ranks = self.group.local_ranks if self.counterpart.expert_parallel else range(self.config.ep)
+        batches = [synthetic_batch(self.config, vocab, step, rank) for rank in ranks]
         inputs = torch.cat([inputs for inputs, _ in batches]).to(device)
         with compute:
             logits = self.counterpart.logits(model, inputs).split(self.config.local_batch)
@@ -229,8 +275,15 @@ class Lockstep:
                 )
                 for lg, (_, labels) in zip(logits, batches)
             ]
-            loss = torch.stack(per_rank).mean()
+            loss = torch.stack(per_rank).sum() / self.config.ep
         loss.backward()
+        if self.counterpart.expert_parallel:
+            loss = loss.detach()
+            for tensor in [
+                loss,
+                *(p.grad for p in model.parameters() if p.grad is not None and not isinstance(p, DTensor)),
+            ]:
+                dist.all_reduce(tensor)
         return loss.item()
 
     def _gather(self, local: dict[int, Tensors]) -> Tensors:
@@ -241,7 +294,7 @@ class Lockstep:
         shapes = {name: local[ranks[0]][name].shape for name in self.expert_names}
         flat = torch.cat([local[r][name].detach().flatten() for r in ranks for name in self.expert_names])
         if self.group.processes > 1:
-            parts = [torch.empty_like(flat) for _ in range(self.group.processes)] if self.oracle is not None else None
+            parts = [torch.empty_like(flat) for _ in range(self.group.processes)] if self.recording else None
             dist.gather(flat, parts, dst=0)
             if parts is None:
                 return {}

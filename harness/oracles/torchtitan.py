@@ -22,15 +22,21 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+from torch.distributed.tensor import DTensor
+from torchtitan.distributed import parallel_dims
+from torchtitan.distributed.utils import set_spmd_backend
 from torchtitan.models import deepseek_v3 as titan
 from torchtitan.models.common import ComplexRoPE, Embedding, Linear, RMSNorm
 from torchtitan.models.common.attention import ScaledDotProductAttention
 from torchtitan.models.common.moe import GroupedExperts, TokenChoiceTopKRouter
+from torchtitan.models.deepseek_v3.sharding import set_deepseek_v3_sharding_config
 from torchtitan.models.deepseek_v3.state_dict_adapter import DeepSeekV3StateDictAdapter
 
+from harness.reference.ep.group import LogicalGroup
 from harness.reference.model import DeepseekV3Config
 from harness.reference.train import TrainConfig
 
+SPMD_BACKEND = "partial_dtensor"  # DTensors on the model-parallel axes only; see Torchtitan
 _EXPERTS = re.compile(r"model\.layers\.(\d+)\.mlp\.experts\.(gate_up_proj|down_proj)$")
 _TITAN_EXPERTS = re.compile(r"layers\.(\d+)\.moe\.routed_experts\.inner_experts\.(w1_EFD|w2_EDF|w3_EFD)$")
 
@@ -105,9 +111,11 @@ def _each(obj: Any, kind: type, visit: Any, seen: set[int] | None = None) -> Non
 
 
 def _fp32_experts(self: GroupedExperts, x_RD: torch.Tensor, num_tokens_per_expert_E: torch.Tensor) -> torch.Tensor:
+    """``GroupedExperts.forward`` without its bf16 casts; under EP, on this rank's expert shard."""
     offsets = torch.cumsum(num_tokens_per_expert_E, dim=0, dtype=torch.int32)
 
     def mm(a: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        w = w.to_local() if isinstance(w, DTensor) else w
         return torch._grouped_mm(a, w.transpose(-2, -1), offs=offsets)
 
     return mm(F.silu(mm(x_RD, self.w1_EFD)) * mm(x_RD, self.w3_EFD), self.w2_EDF)
@@ -130,17 +138,17 @@ class Names:
         self.reference_of = {titan_name: name for name, titan_name in self.titan_of.items()}
 
     def to_titan(self, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """The reference's tensors (copies) under torchtitan's names, ``gate_up_proj`` split."""
+        """The reference's tensors under torchtitan's names, ``gate_up_proj`` split (views)."""
         out = {}
         for name, tensor in state.items():
             if match := _EXPERTS.match(name):
                 base = f"layers.{match[1]}.moe.routed_experts.inner_experts."
                 if match[2] == "gate_up_proj":
-                    out[base + "w1_EFD"], out[base + "w3_EFD"] = (t.clone() for t in tensor.chunk(2, dim=1))
+                    out[base + "w1_EFD"], out[base + "w3_EFD"] = tensor.chunk(2, dim=1)
                 else:
-                    out[base + "w2_EDF"] = tensor.clone()
+                    out[base + "w2_EDF"] = tensor
             else:
-                out[_rename(name, self.titan_of)] = tensor.clone()
+                out[_rename(name, self.titan_of)] = tensor
         return out
 
     def from_titan(self, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -168,26 +176,63 @@ def _rename(name: str, mapping: dict[str, str]) -> str:
 
 class Torchtitan:
     """The ``"torchtitan"`` oracle's :class:`~harness.oracles.lockstep.Counterpart`: forced-balanced
-    routing is torchtitan's own round-robin (``_debug_force_load_balance``)."""
+    routing is torchtitan's own round-robin (``_debug_force_load_balance``).
+
+    With one logical rank per process (EP = processes > 1) it is expert parallel: every process
+    builds the model, and torchtitan shards it itself (``Module.parallelize`` with EP, its
+    DeepSeek-V3 sharding config), so the experts travel through its ``AllToAllTokenDispatcher``
+    and each process's expert shard is its logical rank's. Two adjustments, through what
+    torchtitan exposes: the device mesh is built on the arm's device type
+    (``parallel_dims.device_type``, which torchtitan sets to "cuda" wherever no accelerator is
+    found), and the SPMD backend is ``partial_dtensor`` (DTensors on the model-parallel axes only):
+    the default backend's uneven all-to-all fails on gloo.
+    """
 
     label = "torchtitan"
 
-    def __init__(self, config: TrainConfig) -> None:
+    def __init__(self, config: TrainConfig, group: LogicalGroup) -> None:
         self.titan = titan_config(config.model_config(), forced_balanced=config.routing == "forced-balanced")
+        self.processes = group.processes
+        self.expert_parallel = 1 < group.processes == config.ep
+        if self.expert_parallel:
+            set_deepseek_v3_sharding_config(self.titan, enable_sp=False, enable_ep=True)
         self.names = Names(self.titan)
 
     def build(self, dtype: torch.dtype, device: torch.device) -> torch.nn.Module:
         """In float32, the only dtype an arm against torchtitan may have: ``Module.to(dtype)``
         would also cast the complex RoPE cache, dropping its imaginary part."""
         assert dtype == torch.float32, dtype
-        return build(self.titan).to(device).train()
+        model = build(self.titan).to(device)
+        if self.expert_parallel:
+            parallel_dims.device_type = device.type
+            set_spmd_backend(SPMD_BACKEND)
+            mesh = parallel_dims.ParallelDims(
+                dp_replicate=1,
+                dp_shard=self.processes,
+                cp=1,
+                tp=1,
+                pp=1,
+                ep=self.processes,
+                world_size=self.processes,
+                spmd_backend=SPMD_BACKEND,
+            )
+            mesh.build_mesh()
+            model.parallelize(mesh)
+        return model.train()
 
     def load(self, model: torch.nn.Module, weights: dict[str, torch.Tensor]) -> None:
-        """Every parameter and correction bias; only torchtitan's token counters are not the reference's."""
-        missing, unexpected = model.load_state_dict(self.names.to_titan(weights), strict=False)
-        counters = [name for name in missing if not name.endswith("tokens_per_expert_E")]
-        if counters or unexpected:
-            raise RuntimeError(f"torchtitan's model lacks {counters} and has no counterpart of {unexpected}")
+        """Every parameter and correction bias (an expert shard into its DTensor's local part);
+        only torchtitan's token counters are not the reference's."""
+        state = model.state_dict()
+        incoming = self.names.to_titan(weights)
+        missing = [n for n in state if n not in incoming and not n.endswith("tokens_per_expert_E")]
+        unexpected = [n for n in incoming if n not in state]
+        if missing or unexpected:
+            raise RuntimeError(f"torchtitan's model lacks {unexpected} and the reference's {missing}")
+        with torch.no_grad():
+            for name, tensor in incoming.items():
+                target = state[name]
+                (target.to_local() if isinstance(target, DTensor) else target).copy_(tensor)
 
     def logits(self, model: torch.nn.Module, inputs: torch.Tensor) -> torch.Tensor:
         return model(inputs)
