@@ -231,5 +231,5 @@ def test_cpu_workflow_runs_the_readme_test_command_on_a_hosted_runner() -> None:
     [job] = workflow["jobs"].values()
     assert job["runs-on"] == "ubuntu-latest"
     assert _commands(job) == [[".ci/run"]]
-    readme_command = "pip install -c constraints.txt -e '.[test]' && python -m pytest -n 2 -q"
+    readme_command = "pip install -c constraints.txt -e '.[test]' && tools/install-torchrec && python -m pytest -n 2 -q"
     assert readme_command in (REPO / "README.md").read_text() and readme_command in (REPO / ".ci" / "run").read_text()

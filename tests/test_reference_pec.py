@@ -12,6 +12,7 @@ from distributed import run_on_ranks
 
 from harness.reference.ep.group import LogicalGroup
 from harness.reference.pec import (
+    TABLE_FAULTS,
     PECBatches,
     PECConfig,
     PECEvents,
@@ -210,3 +211,14 @@ def test_two_gloo_processes_equal_one_process_and_pipelined_equals_sequential() 
     assert_same_training(one_process, two_processes)
     assert sorted(one_process["events"], key=by_rank_and_seq) == two_processes["events"]
     assert_same_training(merged(run_on_ranks(2, train, replace(BASE, pec="sequential"))), two_processes)
+
+
+@pytest.mark.parametrize("fault", TABLE_FAULTS)
+def test_a_table_fault_is_shared_by_every_trainer_so_pipelined_still_equals_sequential(fault: str) -> None:
+    """The reference's own arms cannot see it (only an independent table can: suite pec-torchrec),
+    though it does change the table."""
+    config = replace(BASE, pec_optimizer="rowwise-adagrad")
+    faulty = train(replace(config, pec_fault=fault), steps=3)
+    assert_same_training(faulty, train(replace(config, pec_fault=fault, pec="sequential"), steps=3))
+    key = (0, "model.embed_tokens.weight")
+    assert not torch.equal(faulty["weights"][key], train(config, steps=3)["weights"][key])

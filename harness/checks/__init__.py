@@ -14,6 +14,7 @@
 * :mod:`~harness.checks.weights`: two arms' final weights, bit for bit;
 * :mod:`~harness.checks.pec`: a PEC embedding's gradient all-to-all: who starts it, when, how often,
   and that every lookup sees every earlier update;
+* :mod:`~harness.checks.pec_oracle`: a PEC arm's table against torchrec's own PEC, row by row;
 * :mod:`~harness.checks.golden`: the metrics against the environment's golden (every run, unlisted);
 * :mod:`~harness.checks.throughput`: a throughput run's ABBA gate (unlisted).
 """
@@ -26,6 +27,7 @@ from harness.checks import (  # noqa: F401  (they register)
     overlap,
     pairs,
     pec,
+    pec_oracle,
     ranks,
     routing,
     throughput,

@@ -3,7 +3,8 @@
 An arm that sets ``oracle = "<name>"`` trains the reference as usual and, step by step, the oracle's
 own model on the same weights and batches (:mod:`harness.oracles.lockstep`): Hugging Face
 ``transformers.DeepseekV3ForCausalLM`` (``"hf"``, :mod:`harness.oracles.hf`) or torchtitan's
-DeepSeek-V3 (``"torchtitan"``, :mod:`harness.oracles.torchtitan`). This module says, without
+DeepSeek-V3 (``"torchtitan"``, :mod:`harness.oracles.torchtitan`); a PEC arm trains its table beside
+torchrec's own PEC (``"torchrec"``, :mod:`harness.oracles.torchrec`). This module says, without
 importing an oracle, what it needs, so that a suite asking for it is refused before anything is
 launched; which arms have a counterpart in an oracle is the reference subject's to say
 (``harness.subject.reference.arms.unsupported_by``).
@@ -28,6 +29,8 @@ _PIP = "pip install -c constraints.txt"
 ORACLES = {
     "hf": Oracle("Hugging Face", ("transformers",), f"{_PIP} 'harness[fidelity]'"),
     "torchtitan": Oracle("torchtitan", ("torchtitan", "triton"), f"{_PIP} 'harness[torchtitan]'"),
+    # torchrec pulls the CUDA fbgemm-gpu, which does not load on CPU torch: the script swaps in the CPU build.
+    "torchrec": Oracle("torchrec", ("torchrec", "fbgemm_gpu"), "tools/install-torchrec"),
 }
 
 

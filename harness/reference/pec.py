@@ -37,10 +37,14 @@ dense optimizer step, in order, with the fields of :meth:`PECEvents.emit`. ``sta
 gradient ids this rank sends, ``apply`` the owned ids it updates. Every logical rank emits the
 same sequence of lookups, starts and applies (the collectives are in lockstep), with its own ids.
 
-**Faults** (:data:`PEC_FAULTS`, pipelined only): ``nol-two-late`` starts and applies NOL N during
-batch N+2 (the drain applies what is left); ``ol-before-backward`` starts OL N after autograd but
-before the gradient sum ends backward; ``no-drain`` leaves NOL of the last batch unstarted;
-``ol-as-nol`` classifies each batch's smallest OL id as NOL.
+**Faults** (:data:`PEC_FAULTS`). Of the pipeline (pipelined only): ``nol-two-late`` starts and
+applies NOL N during batch N+2 (the drain applies what is left); ``ol-before-backward`` starts OL N
+after autograd but before the gradient sum ends backward; ``no-drain`` leaves NOL of the last batch
+unstarted; ``ol-as-nol`` classifies each batch's smallest OL id as NOL. Of the table (any trainer:
+every trainer shares this code, so only an independent implementation sees them):
+``adagrad-overwrite`` sets row-wise Adagrad's state to the step's mean squared gradient instead of
+adding it; ``sum-one-source`` keeps, per id, one source rank's gradient row instead of the sum over
+source ranks.
 
 **Batches** (:class:`PECBatches`): batch N draws each logical rank's tokens uniformly from a pool of
 ids common to the EP group. Pool N+1 keeps ``round(pec_overlap * size)`` ids of pool N and draws
@@ -63,7 +67,9 @@ from harness.reference.train import GradSink, TrainConfig, Trainer, UpdateSink
 
 PEC_TRAINERS = ("pipelined", "sequential", "legacy")
 PEC_OPTIMIZERS = ("rowwise-sgd", "rowwise-adagrad")
-PEC_FAULTS = ("none", "nol-two-late", "ol-before-backward", "no-drain", "ol-as-nol")
+PIPELINE_FAULTS = ("nol-two-late", "ol-before-backward", "no-drain", "ol-as-nol")
+TABLE_FAULTS = ("adagrad-overwrite", "sum-one-source")
+PEC_FAULTS = ("none", *PIPELINE_FAULTS, *TABLE_FAULTS)
 PEC_CHUNKINGS = ("none", "eager")
 MODULE = "model.embed_tokens"
 ADAGRAD_EPS = 1e-8  # fbgemm's default for row-wise Adagrad
@@ -92,7 +98,7 @@ class PECConfig(TrainConfig):
             raise ValueError(f"pec_overlap must be a fraction in [0, 1], got {self.pec_overlap!r}")
         if self.pec_fault not in PEC_FAULTS:
             raise ValueError(f"pec_fault must be one of {PEC_FAULTS}, got {self.pec_fault!r}")
-        if self.pec_fault != "none" and self.pec != "pipelined":
+        if self.pec_fault in PIPELINE_FAULTS and self.pec != "pipelined":
             raise ValueError(f"pec_fault {self.pec_fault!r} breaks the pipelined trainer: it needs pec = 'pipelined'")
         if self.chunking not in PEC_CHUNKINGS:
             raise ValueError(f"chunking must be one of {PEC_CHUNKINGS} with a PEC table, got {self.chunking!r}")
@@ -152,8 +158,11 @@ class PECEvents:
         self.rank, self._sink, self._seq = rank, sink, 0
         self.call = 0  # the pipeline progress call (batch number) running on this rank
 
-    def emit(self, op: str, batch: int, part: str | None = None, ids: torch.Tensor | None = None) -> None:
-        """``{seq, call, op, batch, part, module, rows, ids, in_autograd}``; ``ids`` distinct and sorted."""
+    def emit(
+        self, op: str, batch: int, part: str | None = None, ids: torch.Tensor | None = None, module: str = MODULE
+    ) -> None:
+        """``{seq, call, op, batch, part, module, rows, ids, in_autograd}``; ``ids`` distinct and sorted.
+        ``module`` names the table of a start or apply: an oracle's own table shares this stream."""
         listed = [] if ids is None else ids.tolist()
         event = {
             "seq": self._seq,
@@ -161,7 +170,7 @@ class PECEvents:
             "op": op,
             "batch": batch,
             "part": part,
-            "module": MODULE if part is not None else None,
+            "module": module if part is not None else None,
             "rows": len(listed),
             "ids": listed,
             "in_autograd": torch._C._current_graph_task_id() != -1,
@@ -174,8 +183,9 @@ class PECEvents:
 class RowwiseOptimizer:
     """A fused row-wise optimizer on one shard, torchrec style: one state value per row (Adagrad)."""
 
-    def __init__(self, kind: str, weight: torch.Tensor, lr: float) -> None:
+    def __init__(self, kind: str, weight: torch.Tensor, lr: float, overwrite: bool = False) -> None:
         self.kind, self.weight, self.lr = kind, weight, lr
+        self.overwrite = overwrite  # the planted fault adagrad-overwrite
         self.state = torch.zeros(weight.shape[0], dtype=torch.float32, device=weight.device)
 
     @torch.no_grad()
@@ -183,7 +193,10 @@ class RowwiseOptimizer:
         """Update the shard's ``rows`` (distinct local indices) by their summed gradients."""
         grads = grads.float()
         if self.kind == "rowwise-adagrad":
-            self.state[rows] += grads.pow(2).mean(1)
+            if self.overwrite:
+                self.state[rows] = grads.pow(2).mean(1)
+            else:
+                self.state[rows] += grads.pow(2).mean(1)
             grads = grads / (self.state[rows].sqrt() + ADAGRAD_EPS).unsqueeze(1)
         self.weight[rows] = (self.weight[rows].float() - self.lr * grads).to(self.weight.dtype)
 
@@ -200,11 +213,14 @@ class ShardedEmbedding(nn.Module):
         self.first_row = rank * self.rows_per_rank
         own = table[self.first_row : self.first_row + self.rows_per_rank].detach().clone()
         self.weight = nn.Parameter(own, requires_grad=False)  # trained by self.optimizer, not autograd
-        self.optimizer = RowwiseOptimizer(config.pec_optimizer, self.weight, config.lr)
+        self.optimizer = RowwiseOptimizer(
+            config.pec_optimizer, self.weight, config.lr, overwrite=config.pec_fault == "adagrad-overwrite"
+        )
+        self.one_source = config.pec_fault == "sum-one-source"
         self.legacy = config.pec == "legacy"
         self.ol_as_nol = config.pec_fault == "ol-as-nol"
         self.gradients: dict[tuple[int, str], PECGradientApply] = {}  # (batch, part), until applied
-        self._lookup: _Lookup | None = None
+        self.looked_up: Lookup | None = None  # the batch looked up for the next forward
 
     def exchange(
         self, send: torch.Tensor, send_counts: list[int], recv_counts: list[int] | None = None
@@ -237,13 +253,13 @@ class ShardedEmbedding(nn.Module):
         overlapped = split_overlap(ids, upcoming)
         if self.ol_as_nol and overlapped.any():
             overlapped[overlapped.nonzero()[0]] = False
-        self._lookup = _Lookup(batch, inputs, ids, inverse, rows.requires_grad_(True), overlapped)
+        self.looked_up = Lookup(batch, inputs, ids, inverse, rows.requires_grad_(True), overlapped)
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        lookup = self._lookup
+        lookup = self.looked_up
         if lookup is None or not torch.equal(lookup.inputs, input_ids):
             raise RuntimeError(f"logical rank {self.rank}: forward of ids that were not looked up (call lookup first)")
-        self._lookup = None
+        self.looked_up = None
         return PECAll2AllSeqWait.apply(lookup.rows, self, lookup)
 
     def take(self, batch: int, part: str) -> PECGradientApply:
@@ -258,7 +274,7 @@ class ShardedEmbedding(nn.Module):
 
 
 @dataclass
-class _Lookup:
+class Lookup:
     """A batch's looked-up rows, until its forward; ``overlapped`` marks the OL ids among ``ids``."""
 
     batch: int
@@ -273,7 +289,7 @@ class PECAll2AllSeqWait(torch.autograd.Function):
     """Embedding output from the looked-up rows; backward only splits its gradient into OL and NOL."""
 
     @staticmethod
-    def forward(ctx: Any, rows: torch.Tensor, table: ShardedEmbedding, lookup: _Lookup) -> torch.Tensor:
+    def forward(ctx: Any, rows: torch.Tensor, table: ShardedEmbedding, lookup: Lookup) -> torch.Tensor:
         ctx.table, ctx.lookup = table, lookup
         return rows[lookup.inverse]
 
@@ -321,10 +337,15 @@ class PECGradientApply:
         for exchange in pending:
             exchange.wait()
         ids, position = torch.unique(recv_ids, sorted=True, return_inverse=True)
-        source = torch.repeat_interleave(torch.arange(len(recv_counts)), torch.tensor(recv_counts))
-        per_source = recv_grads.new_zeros((len(recv_counts), ids.numel(), recv_grads.shape[-1]))
-        per_source[source.to(recv_ids.device), position] = recv_grads
-        table.optimizer.step(ids - table.first_row, per_source.sum(0))
+        if table.one_source:  # the planted fault: one source rank's row per id overwrites the others'
+            summed = recv_grads.new_zeros((ids.numel(), recv_grads.shape[-1]))
+            summed[position] = recv_grads
+        else:
+            source = torch.repeat_interleave(torch.arange(len(recv_counts)), torch.tensor(recv_counts))
+            per_source = recv_grads.new_zeros((len(recv_counts), ids.numel(), recv_grads.shape[-1]))
+            per_source[source.to(recv_ids.device), position] = recv_grads
+            summed = per_source.sum(0)
+        table.optimizer.step(ids - table.first_row, summed)
         table.events.emit("apply", self.batch, self.part, ids)
 
 

@@ -4,10 +4,11 @@ turned into the harness's :class:`~harness.subject.protocol.Recorder` calls.
 The trainer follows the arm's config: ``Trainer`` for a plain arm (traced or eager chunking),
 ``VersionedTrainer`` or ``DelayedOracleTrainer`` for a versioned one (``trainer``), ``PECTrainer`` for
 a PEC table, and an oracle's model in lockstep (:mod:`harness.oracles.lockstep`; the oracle's
-module imported only then) for an arm with ``oracle = "hf"`` or ``"torchtitan"``. A versioned
-trainer counts its updates from 0 and its batches like steps; here its update k becomes step
-k + 1, so that at delay 0 it trains on the data a plain Trainer sees at the same step, and the
-two compare exactly.
+module imported only then) for an arm with ``oracle = "hf"`` or ``"torchtitan"``; a PEC arm with
+``oracle = "torchrec"`` runs ``PECTrainer`` with torchrec's table beside it
+(:mod:`harness.oracles.torchrec`). A versioned trainer counts its updates from 0 and its batches
+like steps; here its update k becomes step k + 1, so that at delay 0 it trains on the data a plain
+Trainer sees at the same step, and the two compare exactly.
 """
 
 from __future__ import annotations
@@ -52,6 +53,14 @@ class ReferenceArm:
                     rank, step + self.offset, _update(update)
                 ),
             }
+        if context.arm.oracle == "torchrec":
+            from harness.oracles.torchrec import TorchrecLockstep
+
+            fidelity_sink = recorder.fidelity if recorder else None
+            pec_sink = recorder.pec_event if recorder else None
+            return TorchrecLockstep(
+                config, **sinks, pec_sink=pec_sink, fidelity_sink=fidelity_sink, batches=context.steps
+            )
         if context.arm.oracle:
             from harness.oracles.lockstep import Lockstep
 

@@ -121,7 +121,9 @@ def families(config: TrainConfig, oracle: str | None) -> tuple[str, ...]:
         found.append(protocol.VERSIONED)
     if isinstance(config, PECConfig):
         found.append(protocol.PEC)
-    if oracle:  # the lockstep wrapper keeps the reference's weights to itself
+    if oracle == "torchrec":  # the reference's own PEC trainer, with torchrec's table beside it
+        found.append(protocol.FIDELITY)
+    elif oracle:  # the lockstep wrapper keeps the reference's weights to itself
         found = [f for f in found if f != protocol.FINAL_WEIGHTS] + [protocol.FIDELITY]
     return tuple(found)
 
@@ -269,6 +271,12 @@ def _arm(
     if isinstance(config, PipelineConfig):
         _pipeline(config, source, tables.steps, v)
     oracle = _oracle(raw["oracle"], f"{dotted}.oracle", config, v) if "oracle" in raw else None
+    if oracle == "torchrec" and config.ep != ranks:
+        raise v.error(
+            f"{dotted}.oracle",
+            f"torchrec's PEC runs one logical rank per process: needs ep ({config.ep}) equal to the arm's"
+            f" process count ({ranks}; {ranks_field})",
+        )
     return ArmSpec(
         name,
         ranks,
@@ -324,7 +332,22 @@ def unsupported_by_torchtitan(config: TrainConfig) -> str | None:
     return None
 
 
-UNSUPPORTED_BY = {"hf": unsupported_by_hf, "torchtitan": unsupported_by_torchtitan}
+def unsupported_by_torchrec(config: TrainConfig) -> str | None:
+    """Why an arm's configuration has no torchrec counterpart, or None.
+
+    torchrec's PEC is an embedding table, not a model: the arm needs one (a PEC field), trained in
+    the order of torchrec's TrainPipelinePEC (pipelined), and its table is held to fp32 bits.
+    """
+    if not isinstance(config, PECConfig):
+        return 'needs a PEC arm: torchrec\'s PEC is its embedding table (set pec = "pipelined")'
+    if config.pec != "pipelined":
+        return f'needs pec = "pipelined", the order of torchrec\'s TrainPipelinePEC, got {config.pec!r}'
+    if config.mixed or config.dtype != "float32":
+        return 'needs precision = "pure" in dtype float32: the torchrec oracle is held to fp32 bits'
+    return None
+
+
+UNSUPPORTED_BY = {"hf": unsupported_by_hf, "torchtitan": unsupported_by_torchtitan, "torchrec": unsupported_by_torchrec}
 
 
 def _pipeline(config: PipelineConfig, source: Callable[[str], str], steps: int, v: SuiteReader) -> None:
