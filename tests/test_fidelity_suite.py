@@ -125,7 +125,8 @@ def _error(tmp_path: Path, text: str) -> str:
 @pytest.mark.parametrize(
     ("extra", "expected"),
     [
-        ('[[checks]]\nkind = "fidelity"\narms = ["plain"]', 'checks.0.arms.0: arm "plain" trains against no oracle'),
+        ('[[checks]]\nkind = "fidelity"\narms = ["plain"]',
+         'checks.0.arms.0: arm "plain" trains against no model in lockstep'),
         ('[[checks]]\nkind = "fidelity"\nmax_rel_err = 0', "checks.0.max_rel_err: expected a relative error > 0"),
         ('[[checks]]\nkind = "fidelity"\n[arms.hf2]\noracle = "hf"\nrouting = "forced-balanced"',
          'arms.hf2.oracle: needs routing = "learned": Hugging Face has no forced-balanced routing'),

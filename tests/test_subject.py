@@ -113,7 +113,11 @@ def _suite(tmp_path: Path, subject: str, body: str = "") -> Path:
 @pytest.mark.parametrize(
     ("subject", "module", "expected"),
     [
-        ("nosuch", None, 'subject: subject "nosuch": not a known subject (reference) nor "package.module:factory"'),
+        (
+            "nosuch",
+            None,
+            'subject: subject "nosuch": not a known subject (reference, torchtitan) nor "package.module:factory"',
+        ),
         ("missing_mod:subject", None, 'subject: subject "missing_mod:subject": cannot import missing_mod'),
         ("plain1:no", "x = 1\n", "subject: subject \"plain1:no\": module 'plain1' has no attribute 'no'"),
         ("plain2:x", "x = 1\n", 'subject: subject "plain2:x": 1 is not a factory'),

@@ -60,6 +60,8 @@ PARAM_FIELDS = (
     "adam_v_oracle_max",
 )
 SHOWN = 3  # differences named in a failure's detail
+# The oracles whose whole model trains in lockstep; torchrec's PEC table has its own check (pec-oracle).
+LOCKSTEP_ORACLES = ("hf", "torchtitan")
 NO_RECORDS = "no fidelity records (fidelity.jsonl missing or empty): nothing compared"
 
 
@@ -72,10 +74,10 @@ def parse(kind: str, raw: dict, dotted: str, v: SuiteReader, arms: dict[str, Arm
     if "arms" in raw:
         chosen = v.str_list(raw["arms"], f"{dotted}.arms", list(arms))
         for i, arm in enumerate(chosen):
-            if arms[arm].oracle is None:
-                raise v.error(f"{dotted}.arms.{i}", f'arm "{arm}" trains against no oracle (set oracle)')
+            if arms[arm].oracle not in LOCKSTEP_ORACLES:
+                raise v.error(f"{dotted}.arms.{i}", f'arm "{arm}" trains against no model in lockstep (set oracle)')
     else:
-        chosen = tuple(arm for arm, spec in arms.items() if spec.oracle is not None)
+        chosen = tuple(arm for arm, spec in arms.items() if spec.oracle in LOCKSTEP_ORACLES)
         if not chosen:
             raise v.error(dotted, 'needs an arm with an oracle (oracle = "hf" or "torchtitan"); the suite has none')
     tiers = {key: _tolerance(v, raw.get(key, default), f"{dotted}.{key}", key) for key, default in defaults.items()}
