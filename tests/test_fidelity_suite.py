@@ -14,10 +14,11 @@ import re
 from pathlib import Path
 
 import pytest
+from suite_files import refused_without, suite_error
 
 from harness.checks.fidelity import judge
 from harness.records import read_jsonl
-from harness.suites import SuiteError, load_suite
+from harness.suites import load_suite
 
 # Suites with an oracle arm load only where transformers is installed (the `fidelity` extra).
 needs_transformers = pytest.mark.skipif(importlib.util.find_spec("transformers") is None, reason="no transformers")
@@ -113,14 +114,6 @@ oracle = "hf"
 """
 
 
-def _error(tmp_path: Path, text: str) -> str:
-    path = tmp_path / "suite.toml"
-    path.write_text(text)
-    with pytest.raises(SuiteError) as info:
-        load_suite(str(path))
-    return str(info.value).replace(str(path), "FILE")
-
-
 @needs_transformers
 @pytest.mark.parametrize(
     ("extra", "expected"),
@@ -140,7 +133,7 @@ def _error(tmp_path: Path, text: str) -> str:
     ],
 )  # fmt: skip
 def test_fidelity_suite_mistakes_are_one_line_naming_the_field(tmp_path: Path, extra: str, expected: str) -> None:
-    message = _error(tmp_path, SUITE + extra)
+    message = suite_error(tmp_path, SUITE + extra)
     assert expected in message and "\n" not in message, message
 
 
@@ -148,14 +141,14 @@ def test_fidelity_suite_mistakes_are_one_line_naming_the_field(tmp_path: Path, e
 @needs_transformers
 def test_an_oracle_arm_is_refused_where_a_model_override_leaves_hugging_face(tmp_path: Path) -> None:
     text = SUITE.replace('config = "cpu-tiny-learned"', 'config = "cpu-tiny-learned"\nscoring_func = "softmax"')
-    message = _error(tmp_path, text + '[[checks]]\nkind = "fidelity"')
+    message = suite_error(tmp_path, text + '[[checks]]\nkind = "fidelity"')
     assert message == "FILE: arms.hf.oracle: needs a model with sigmoid scoring: Hugging Face has no softmax"
 
 
 def test_without_an_oracle_arm_the_check_is_refused(tmp_path: Path) -> None:
     text = SUITE.replace('oracle = "hf"\n', "") + '[[checks]]\nkind = "fidelity"'
     expected = 'FILE: checks.0: needs an arm with an oracle (oracle = "hf" or "torchtitan"); the suite has none'
-    assert _error(tmp_path, text) == expected
+    assert suite_error(tmp_path, text) == expected
 
 
 @needs_transformers
@@ -276,13 +269,7 @@ def test_bugs_planted_in_the_reference_fail_naming_the_parameter(
 
 
 def test_without_transformers_the_suite_is_refused_with_the_install_hint(run_harness, tmp_path: Path) -> None:
-    (tmp_path / "hide").mkdir()
-    (tmp_path / "hide" / "sitecustomize.py").write_text("import sys\n\nsys.modules['transformers'] = None\n")
-    out = tmp_path / "run"
-    run = run_harness("run", "fidelity", "--out", out, env={"PYTHONPATH": tmp_path / "hide"})
-    assert run.returncode == 2, run.stdout + run.stderr
-    assert run.stderr == (
+    assert refused_without(run_harness, tmp_path, "transformers", "fidelity") == (
         "error: suites/fidelity.toml: arms.q-lora.oracle: needs transformers, which is not installed:"
         " pip install -c constraints.txt 'harness[fidelity]'\n"
     )
-    assert not out.exists()

@@ -7,9 +7,9 @@ import re
 from pathlib import Path
 
 import pytest
+from suite_files import refused_without, suite_error
 
 from harness.records import read_jsonl
-from harness.suites import SuiteError, load_suite
 
 ARMS = ("learned", "learned-one-process", "forced")
 
@@ -94,14 +94,6 @@ def test_each_adjustment_of_torchtitans_expert_parallelism_is_needed(
     assert "ERROR  launch: learned+forced" in run.stdout, run.stdout
 
 
-def _error(tmp_path: Path, text: str) -> str:
-    path = tmp_path / "suite.toml"
-    path.write_text(text)
-    with pytest.raises(SuiteError) as info:
-        load_suite(str(path))
-    return str(info.value).replace(str(path), "FILE")
-
-
 @pytest.mark.parametrize(
     ("change", "expected"),
     [
@@ -126,17 +118,11 @@ def _error(tmp_path: Path, text: str) -> str:
 def test_what_torchtitan_has_no_counterpart_of_is_refused_naming_the_field(
     tmp_path: Path, change: tuple[str, str], expected: str
 ) -> None:
-    assert _error(tmp_path, SUITE.replace(*change)) == expected
+    assert suite_error(tmp_path, SUITE.replace(*change)) == expected
 
 
 def test_without_torchtitan_the_suite_is_refused_with_the_install_line(run_harness, tmp_path: Path) -> None:
-    (tmp_path / "hide").mkdir()
-    (tmp_path / "hide" / "sitecustomize.py").write_text("import sys\n\nsys.modules['torchtitan'] = None\n")
-    out = tmp_path / "run"
-    run = run_harness("run", "fidelity-torchtitan", "--out", out, env={"PYTHONPATH": tmp_path / "hide"})
-    assert run.returncode == 2, run.stdout + run.stderr
-    assert run.stderr == (
+    assert refused_without(run_harness, tmp_path, "torchtitan", "fidelity-torchtitan") == (
         "error: suites/fidelity-torchtitan.toml: arms.learned.oracle: needs torchtitan, which is not installed:"
         " pip install -c constraints.txt 'harness[torchtitan]'\n"
     )
-    assert not out.exists()

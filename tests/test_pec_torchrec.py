@@ -10,6 +10,7 @@ import re
 from pathlib import Path
 
 import pytest
+from suite_files import refused_without
 
 from harness.checks.pec import INVARIANTS
 from harness.records import read_jsonl
@@ -100,16 +101,10 @@ def test_torchrec_backward_starting_the_ol_all_to_all_fails_the_autograd_invaria
 
 
 def test_without_torchrec_the_suite_is_refused_with_the_install_line(run_harness, tmp_path: Path) -> None:
-    (tmp_path / "hide").mkdir()
-    (tmp_path / "hide" / "sitecustomize.py").write_text("import sys\n\nsys.modules['torchrec'] = None\n")
-    out = tmp_path / "run"
-    run = run_harness("run", "pec-torchrec", "--out", out, env={"PYTHONPATH": tmp_path / "hide"})
-    assert run.returncode == 2, run.stdout + run.stderr
-    assert run.stderr == (
+    assert refused_without(run_harness, tmp_path, "torchrec", "pec-torchrec") == (
         "error: suites/pec-torchrec.toml: arms.adagrad.oracle: needs torchrec, which is not installed:"
         " tools/install-torchrec\n"
     )
-    assert not out.exists()
 
 
 @pytest.mark.parametrize(

@@ -7,9 +7,9 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+from suite_files import refused_without, suite_error
 
 from harness.records import read_jsonl
-from harness.suites import SuiteError, load_suite
 
 
 def _checks(run, out: Path) -> dict[str, dict]:
@@ -112,14 +112,6 @@ model = "cpu-tiny"
 """
 
 
-def _error(tmp_path: Path, text: str) -> str:
-    path = tmp_path / "suite.toml"
-    path.write_text(text)
-    with pytest.raises(SuiteError) as info:
-        load_suite(str(path))
-    return str(info.value).replace(str(path), "FILE")
-
-
 @pytest.mark.parametrize(
     ("old", "new", "expected"),
     [
@@ -134,18 +126,12 @@ def _error(tmp_path: Path, text: str) -> str:
     ids=["experts", "model", "unknown-field"],
 )
 def test_bad_arms_are_refused_naming_the_field(tmp_path: Path, old: str, new: str, expected: str) -> None:
-    message = _error(tmp_path, SUITE.replace(old, new))
+    message = suite_error(tmp_path, SUITE.replace(old, new))
     assert message.startswith(expected), message
 
 
 def test_without_torchtitan_the_subject_is_refused_with_the_install_line(run_harness, tmp_path: Path) -> None:
-    (tmp_path / "hide").mkdir()
-    (tmp_path / "hide" / "sitecustomize.py").write_text("import sys\n\nsys.modules['torchtitan'] = None\n")
-    out = tmp_path / "run"
-    run = run_harness("run", "torchtitan-determinism", "--out", out, env={"PYTHONPATH": tmp_path / "hide"})
-    assert run.returncode == 2, run.stdout + run.stderr
-    assert run.stderr == (
+    assert refused_without(run_harness, tmp_path, "torchtitan", "torchtitan-determinism") == (
         "error: suites/torchtitan-determinism.toml: subject: needs torchtitan, which is not installed:"
         " pip install -c constraints.txt 'harness[torchtitan]'\n"
     )
-    assert not out.exists()
