@@ -61,6 +61,7 @@ run determinism determinism
 run retention retention
 run pec pec
 run fidelity fidelity
+run fidelity-torchtitan fidelity-torchtitan
 run parity-bf16 parity-bf16
 run fidelity-bf16 fidelity-bf16
 
@@ -75,8 +76,12 @@ if [ "$gpus" -ge 2 ]; then
   harness ci parity logical-ranks strict-vs-stale pec --ranks 2 --device cuda --retries 1 --out "$OUT/gate" \
     >"$OUT/gate.log" 2>&1
   report "gpu-gate.yml gate on 2 GPUs" $? "$OUT/gate"
+  harness run torchtitan-determinism --ranks 2 --device cuda --steps "$STEPS" --golden off \
+    --out "$OUT/torchtitan" >"$OUT/torchtitan.log" 2>&1
+  report "torchtitan-determinism: torchtitan's own EP over 2 GPUs (nccl)" $? "$OUT/torchtitan"
 else
   echo "SKIP gpu-gate.yml gate (needs 2 GPUs, $gpus visible)"
+  echo "SKIP torchtitan-determinism with torchtitan's own EP (needs 2 GPUs, $gpus visible)"
 fi
 echo "logs: $OUT"
 exit $failed
