@@ -73,6 +73,11 @@ class ArmFiles:
         """An oracle arm's per-step comparison."""
         return self.dir / "fidelity.jsonl"
 
+    @property
+    def checkpoint(self) -> Path:
+        """A resumed arm's checkpoints, saved by its first launch for its second (``step-<k>/``)."""
+        return self.dir / "checkpoint"
+
     def events(self, logical_rank: int) -> Path:
         """Token-exchange launches and waits of one logical rank."""
         return self.dir / f"events.rank{logical_rank}.jsonl"

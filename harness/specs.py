@@ -19,7 +19,9 @@ class ArmSpec:
     ``logical_ranks`` logical ranks (the reference's EP degree); ``train`` is its config as plain
     JSON, what the ranks build it from; ``families`` the record families it emits; ``golden_config``
     what a golden is recorded for (its fields set away from their defaults); ``dtype`` goes into the
-    environment key of its goldens; ``oracle`` names an implementation it trains in lockstep with."""
+    environment key of its goldens; ``oracle`` names an implementation it trains in lockstep with.
+    ``resume_at`` k: the arm trains steps 1..k, saves a checkpoint and ends its processes; a fresh
+    launch of ``resume_ranks`` processes (default ``ranks``) loads it and trains k+1 onwards."""
 
     name: str
     ranks: int
@@ -30,6 +32,8 @@ class ArmSpec:
     golden_config: dict[str, Any]
     dtype: str = "float32"
     oracle: str | None = None
+    resume_at: int | None = None
+    resume_ranks: int | None = None
 
     def emits(self, family: str) -> bool:
         return family in self.families

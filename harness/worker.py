@@ -38,6 +38,7 @@ import threading
 import time
 import traceback
 from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -185,16 +186,17 @@ def _inject_fault(debug: DebugSpec, arm: str, step: int, rank: int) -> bool:
         time.sleep(1)
 
 
-def updates(arm: Arm, steps: int, before_step: Callable[[int], bool]) -> Iterator[StepRecord]:
-    """The arm's updates, 1..steps, then those a pipeline still had in flight; ends early, and
-    undrained, where ``before_step`` returns False."""
-    for step in range(1, steps + 1):
+def updates(arm: Arm, steps: range, before_step: Callable[[int], bool], drain: bool = True) -> Iterator[StepRecord]:
+    """The arm's updates of ``steps``, then (``drain``) those a pipeline still had in flight; ends
+    early, and undrained, where ``before_step`` returns False."""
+    for step in steps:
         if not before_step(step):
             return
         record = arm.step(step)  # None while a pipeline fills
         if record is not None:
             yield record
-    yield from arm.drain()
+    if drain:
+        yield from arm.drain()
 
 
 class _ArmWriters:
@@ -246,6 +248,23 @@ class FileRecorder:
         self._writers.write(self._files.fidelity, record)
 
 
+@dataclass(frozen=True)
+class Segment:
+    """The steps one launch of an arm runs (its launch group's ``first_step``..``last_step``; None:
+    the suite's last) and its checkpoint: ``"save"`` after them, ``"load"`` before."""
+
+    first_step: int = 1
+    last_step: int | None = None
+    checkpoint: str | None = None
+
+
+def _checkpointing(arm: Arm, spec: ArmSpec) -> Any:
+    """The arm, which must checkpoint (``Arm.save_checkpoint`` and ``load_checkpoint``)."""
+    if not all(hasattr(arm, m) for m in ("save_checkpoint", "load_checkpoint")):
+        raise TypeError(f"arm {spec.name!r} sets resume_at, but its subject's arm does not checkpoint")
+    return arm
+
+
 def _seeded(spec: ArmSpec) -> None:
     """Every arm starts from the same RNG state, whatever ran before it in this process."""
     random.seed(spec.seed)
@@ -261,11 +280,15 @@ def run_arm(
     device: str,
     phases: PhaseLog,
     cache_dir: Path | None = None,
+    segment: Segment | None = None,
 ) -> None:
     """Builds the arm from a fresh seed and runs its steps, streaming records; its build, steps and
-    finish are three phases."""
+    finish are three phases. A ``segment`` runs part of the steps: the first of a resumed arm ends
+    with a save, the second starts with a load and appends to the records of the first."""
     rank = dist.get_rank()
     files = arm_files(run_dir, spec.name)
+    segment = segment or Segment()
+    last = segment.last_step or steps
     _seeded(spec)
     with contextlib.ExitStack() as stack:
         writers = _ArmWriters(stack)
@@ -276,6 +299,9 @@ def run_arm(
             stack.callback(arm.close)
             if arm.graph_build() is not None:
                 build["graph"] = arm.graph_build()
+        if segment.checkpoint == "load":
+            with phases.phase("load", arm=spec.name):
+                _checkpointing(arm, spec).load_checkpoint(files.checkpoint, segment.first_step - 1)
         if rank == 0:
             isa = torch.backends.cpu.get_cpu_capability().lower()
             write_json_atomic(files.arm, {"train": spec.train, "cpu_capability": isa, "info": arm.info()})
@@ -283,7 +309,9 @@ def run_arm(
                 write_json_atomic(files.graph, arm.graph_export())
         updates_done = 0
         with phases.phase("steps", arm=spec.name) as detail:
-            for record in updates(arm, steps, lambda step: _inject_fault(debug, spec.name, step, rank)):
+            planned = range(segment.first_step, last + 1)
+            before = functools.partial(_inject_fault, debug, spec.name, rank=rank)
+            for record in updates(arm, planned, before, drain=last == steps):
                 updates_done += 1
                 detail["steps"] = updates_done
                 if metrics is not None:
@@ -292,9 +320,15 @@ def run_arm(
                     f"[arm {spec.name}] step {record.step}/{steps} loss={record.loss!r} grad_norm={record.grad_norm!r}",
                     flush=True,
                 )
+        if segment.checkpoint == "save":
+            with phases.phase("save", arm=spec.name):
+                _checkpointing(arm, spec).save_checkpoint(files.checkpoint, last)
+            return
         with phases.phase("finish", arm=spec.name):
             for logical_rank, parameters in arm.final_weights().items():
-                write_json_atomic(files.weights(logical_rank), final_weights(parameters, updates_done))
+                write_json_atomic(
+                    files.weights(logical_rank), final_weights(parameters, segment.first_step - 1 + updates_done)
+                )
 
 
 def _peak_memory_reset(device: str) -> None:
@@ -441,8 +475,10 @@ def main(argv: list[str]) -> None:
         if group["measurements"]:
             measure_throughput(run_dir, subject, suite, group["measurements"], device, phases, cache_dir)
         else:
+            segment = Segment(group.get("first_step", 1), group.get("last_step"), group.get("checkpoint"))
             for arm in group["arms"]:
-                run_arm(run_dir, subject, suite.arms[arm], suite.steps, suite.debug, device, phases, cache_dir)
+                spec = suite.arms[arm]
+                run_arm(run_dir, subject, spec, suite.steps, suite.debug, device, phases, cache_dir, segment)
         with phases.phase("shutdown"):
             dist.destroy_process_group()
     # Every record is closed and the group is gone. A normal interpreter exit would now spend most

@@ -10,6 +10,7 @@
   or an eager arm's events;
 * :mod:`~harness.checks.fidelity`: an oracle arm's lockstep records against Hugging Face;
 * :mod:`~harness.checks.ranks`: every logical rank of an arm agrees on the step and its replicas;
+* :mod:`~harness.checks.resume`: a run stopped and resumed by a fresh launch against one that never stopped;
 * :mod:`~harness.checks.routing`: send counts of every exchange match the receive counts;
 * :mod:`~harness.checks.weights`: two arms' final weights, bit for bit;
 * :mod:`~harness.checks.pec`: a PEC embedding's gradient all-to-all: who starts it, when, how often,
@@ -29,6 +30,7 @@ from harness.checks import (  # noqa: F401  (they register)
     pec,
     pec_oracle,
     ranks,
+    resume,
     routing,
     throughput,
     versioned,

@@ -29,13 +29,19 @@ SHUTDOWN_GRACE_S = 3
 @dataclass(frozen=True)
 class LaunchGroup:
     """Arms sharing a process count: they run in one launch, one after another. A throughput
-    run's group instead times the block positions in ``measurements`` (harness/throughput.py)."""
+    run's group instead times the block positions in ``measurements`` (harness/throughput.py).
+    A resumed arm's two launches are groups of their own: ``first_step`` to ``last_step`` (None:
+    the suite's last), the first ending with a save (``checkpoint = "save"``), the second starting
+    with a load (``"load"``)."""
 
     name: str
     ranks: int
     arms: tuple[str, ...]
     log_dir: str  # relative to the run directory
     measurements: tuple[Any, ...] = ()  # harness.throughput.Measurement
+    first_step: int = 1
+    last_step: int | None = None
+    checkpoint: str | None = None
 
     def log(self, rank: int) -> str:
         return f"{self.log_dir}/rank{rank}.log"
@@ -46,15 +52,33 @@ class LaunchGroup:
 
 
 def plan_launches(suite: SuiteSpec) -> list[LaunchGroup]:
-    """Groups arms by process count, keeping the suite's arm order."""
+    """Groups arms by process count, keeping the suite's arm order; then each resumed arm's two
+    launches, the save and the load."""
     by_ranks: dict[int, list[str]] = {}
+    resumed = [arm for arm in suite.arms.values() if arm.resume_at is not None]
     for arm in suite.arms.values():
-        by_ranks.setdefault(arm.ranks, []).append(arm.name)
-    single = len(by_ranks) == 1
-    return [
+        if arm.resume_at is None:
+            by_ranks.setdefault(arm.ranks, []).append(arm.name)
+    single = len(by_ranks) == 1 and not resumed
+    groups = [
         LaunchGroup("+".join(arms), ranks, tuple(arms), LOGS_DIR if single else f"{LOGS_DIR}/{'+'.join(arms)}")
         for ranks, arms in by_ranks.items()
     ]
+    for arm in resumed:
+        saving, loading = f"{arm.name}@1-{arm.resume_at}", f"{arm.name}@{arm.resume_at + 1}-"
+        saves = LaunchGroup(
+            saving, arm.ranks, (arm.name,), f"{LOGS_DIR}/{saving}", last_step=arm.resume_at, checkpoint="save"
+        )
+        loads = LaunchGroup(
+            loading,
+            arm.resume_ranks or arm.ranks,
+            (arm.name,),
+            f"{LOGS_DIR}/{loading}",
+            first_step=arm.resume_at + 1,
+            checkpoint="load",
+        )
+        groups += [saves, loads]
+    return groups
 
 
 @dataclass

@@ -62,6 +62,7 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 # master weights, optimizer state, gradients (and their reduction), loss and grad norm; the forward
 # under bf16 autocast, the router in fp32, tokens exchanged in bf16.
 PRECISIONS = ("pure", "bf16-mixed")
+CHECKPOINT_FAULTS = ("optimizer-not-saved", "data-position-lost")
 
 
 @dataclass(frozen=True)
@@ -91,12 +92,19 @@ class TrainConfig:
     # scaling factor applied twice, which only an oracle sees: every arm would apply it twice).
     fault: str = "none"
     compile_attention: bool = False  # regional Inductor: only the attention modules are compiled
+    # A planted bug of the checkpoint (harness.reference.checkpoint) for a resumed arm: the AdamW
+    # state left out, or the data position lost (CHECKPOINT_FAULTS).
+    checkpoint_fault: str = "none"
 
     def __post_init__(self) -> None:
         if self.routing not in ROUTINGS:
             raise ValueError(f"routing must be one of {ROUTINGS}, got {self.routing!r}")
         if self.chunking not in CHUNKINGS:
             raise ValueError(f"chunking must be one of {CHUNKINGS}, got {self.chunking!r}")
+        if self.checkpoint_fault not in ("none", *CHECKPOINT_FAULTS):
+            raise ValueError(
+                f"checkpoint_fault must be one of {('none', *CHECKPOINT_FAULTS)}, got {self.checkpoint_fault!r}"
+            )
         if self.fault not in (*FAULTS, *ROUTER_FAULTS):
             raise ValueError(f"fault must be one of {(*FAULTS, *ROUTER_FAULTS)}, got {self.fault!r}")
         if self.fault in FAULTS and self.fault != "none" and self.chunking != "graph":

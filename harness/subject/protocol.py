@@ -160,6 +160,18 @@ class Arm(Protocol):
         """Releases threads and memory; called once, also after a failure."""
 
 
+class CheckpointingArm(Arm, Protocol):
+    """An arm that can stop and resume (a suite's ``resume_at``): its first launch saves after
+    update k, and a fresh launch, perhaps of another process count, loads before update k+1."""
+
+    def save_checkpoint(self, folder: Path, step: int) -> None:
+        """Saves the whole training state after update ``step`` under ``folder``; every process calls it."""
+
+    def load_checkpoint(self, folder: Path, step: int) -> None:
+        """Restores the state saved after update ``step`` under ``folder``; raises naming the file
+        and what is missing when it cannot."""
+
+
 class Subject(Protocol):
     """A system under test. ``name`` labels it in messages; ``families`` is every record family any
     of its arms may emit; ``source`` is its code: a rank that raises with a frame in there is a

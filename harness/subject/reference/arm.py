@@ -14,10 +14,12 @@ Trainer sees at the same step, and the two compare exactly.
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
+from pathlib import Path
 from typing import Any
 
 import torch
 
+from harness.reference import checkpoint
 from harness.reference.chunking.trace_cache import GraphCache
 from harness.reference.delayed_oracle import DelayedOracleTrainer
 from harness.reference.pec import PECConfig, PECTrainer
@@ -40,6 +42,8 @@ class ReferenceArm:
     def __init__(self, context: ArmContext) -> None:
         self.config = train_config(context.arm.train)
         self.offset = 1 if isinstance(self.config, PipelineConfig) else 0
+        self.data_offset = 0  # a resumed arm's batches: its data position against the harness's step
+        self.resumed_from: int | None = None
         self.trainer = self._trainer(context)
 
     def _trainer(self, context: ArmContext) -> Any:
@@ -74,13 +78,26 @@ class ReferenceArm:
         cache = GraphCache(context.cache_dir) if context.cache_dir else None
         return Trainer(config, **sinks, trace_cache=cache)
 
+    def save_checkpoint(self, folder: Path, step: int) -> None:
+        """The whole state after update ``step`` (harness.reference.checkpoint; plain arms only)."""
+        checkpoint.save(self.trainer, step, folder)
+
+    def load_checkpoint(self, folder: Path, step: int) -> None:
+        """Restores the state saved after update ``step``; training goes on from the data position
+        the checkpoint records, which is ``step`` unless a planted fault lost it."""
+        position = checkpoint.load(self.trainer, folder, step)
+        self.data_offset = position - step
+        self.resumed_from = step
+
     def _record(self, result: dict) -> StepRecord:
         extra = {k: v for k, v in result.items() if k not in _STEP_FIELDS}
         step, loss, grad_norm, tokens, seconds = (result[k] for k in _STEP_FIELDS)
         return StepRecord(step + self.offset, loss, grad_norm, tokens, seconds, extra)
 
     def step(self, step: int) -> StepRecord | None:
-        result = self.trainer.step(step)
+        result = self.trainer.step(step + self.data_offset)
+        if result is not None and self.data_offset:
+            result["step"] = step  # the harness's count of updates, whatever batch the arm took
         return None if result is None else self._record(result)
 
     def drain(self) -> list[StepRecord]:
@@ -96,6 +113,7 @@ class ReferenceArm:
             "moe_layers": layers,
             "chunk_roots": [roots.format(layer=layer) for layer in layers],
             "experts_per_token": self.config.model_config().num_experts_per_tok,
+            "resumed_from": self.resumed_from,  # the update a fresh launch loaded a checkpoint of
         }
 
     def graph_export(self) -> dict | None:

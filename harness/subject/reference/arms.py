@@ -112,6 +112,10 @@ def golden_config(config: TrainConfig) -> dict[str, Any]:
     return {"pec": config.pec, **differing} if isinstance(config, PECConfig) else differing
 
 
+# An arm's stop and resume (ArmSpec.resume_at, resume_ranks): fields of the arm, not of its training.
+RESUME_FIELDS = ("resume_at", "resume_ranks")
+
+
 def families(config: TrainConfig, oracle: str | None) -> tuple[str, ...]:
     """The record families an arm of this config emits."""
     found = list(BASE_FAMILIES)
@@ -231,7 +235,7 @@ def _arm(
     """One [arms.NAME] table over [train]; its ``model``, a named config, replaces [model]'s
     ``config`` and keeps [model]'s field overrides."""
     dotted = f"arms.{name}"
-    own = _train_table(raw, dotted, ("ranks", "model", "oracle", *TRAIN_FIELDS), v)
+    own = _train_table(raw, dotted, ("ranks", "model", "oracle", *RESUME_FIELDS, *TRAIN_FIELDS), v)
     ranks = v.int_(raw["ranks"], f"{dotted}.ranks", 1, v.max_ranks) if "ranks" in raw else tables.ranks
     if "model" in raw:
         named = v.str_(raw["model"], f"{dotted}.model", tuple(CONFIGS))
@@ -277,6 +281,7 @@ def _arm(
             f"torchrec's PEC runs one logical rank per process: needs ep ({config.ep}) equal to the arm's"
             f" process count ({ranks}; {ranks_field})",
         )
+    resume_at, resume_ranks = _resume(raw, dotted, config, oracle, tables.steps, v)
     return ArmSpec(
         name,
         ranks,
@@ -287,7 +292,32 @@ def _arm(
         golden_config=golden_config(config),
         dtype=config.precision if config.mixed else config.dtype,  # what its goldens are keyed by
         oracle=oracle,
+        resume_at=resume_at,
+        resume_ranks=resume_ranks,
     )
+
+
+def _resume(
+    raw: dict, dotted: str, config: TrainConfig, oracle: str | None, steps: int, v: SuiteReader
+) -> tuple[int | None, int | None]:
+    """``resume_at`` (a step in 1..steps-1: the save) and ``resume_ranks`` (the processes that load,
+    dividing the EP degree), for an arm whose whole state a checkpoint holds: a plain one."""
+    if "resume_at" not in raw:
+        if "resume_ranks" in raw:
+            raise v.error(f"{dotted}.resume_ranks", "needs resume_at: only a resumed arm launches twice")
+        return None, None
+    at = v.int_(raw["resume_at"], f"{dotted}.resume_at", 1, steps - 1) if steps > 1 else None
+    if at is None:
+        raise v.error(f"{dotted}.resume_at", f"a run of {steps} step has no step to resume after")
+    if type(config) is not TrainConfig or oracle is not None:
+        raise v.error(
+            f"{dotted}.resume_at",
+            "needs a plain arm: the checkpoint does not hold a delayed pipeline, a PEC table or an oracle yet",
+        )
+    ranks = v.int_(raw["resume_ranks"], f"{dotted}.resume_ranks", 1, v.max_ranks) if "resume_ranks" in raw else None
+    if ranks is not None and config.ep % ranks:
+        raise v.error(f"{dotted}.resume_ranks", f"{ranks} processes do not divide EP degree {config.ep}")
+    return at, ranks
 
 
 def _oracle(value: Any, dotted: str, config: TrainConfig, v: SuiteReader) -> str:

@@ -1,0 +1,82 @@
+"""``resume``: a run stopped and resumed by a fresh launch trains bit for bit as one that never stopped.
+
+The pair is an arm that trains every step in one launch and an arm with ``resume_at = k``, whose
+first launch trains steps 1..k and saves a checkpoint, and whose second, a fresh set of processes
+(perhaps of another count: ``resume_ranks``), loads it and trains k+1 onwards. First the resumed
+arm must show it really loaded the checkpoint of step k (its ``arm.json`` from the second launch
+records ``resumed_from``): a resume that silently started over would otherwise compare a fresh run
+with itself. Then its loss and grad norm must equal the straight arm's at every step, bit for bit;
+a failure names the first differing step and, from the gradient digests, the first parameter whose
+gradient differs there. Steps up to k only check the first launch; the last weights are
+``final-weights``'s.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from harness.checks.registry import CheckFamily, SuiteReader, register
+from harness.compare import CheckResult, Exact, compare_arms
+from harness.digests import first_divergence
+from harness.records import RunRecords
+from harness.specs import ArmSpec, CheckSpec, SuiteSpec
+from harness.subject.protocol import GRADIENT_DIGESTS, METRICS
+
+KIND = "resume"
+METRIC_NAMES = ("loss", "grad_norm")
+
+
+def parse(kind: str, raw: dict, dotted: str, v: SuiteReader, arms: dict[str, ArmSpec]) -> CheckSpec:
+    """``arms``: the straight arm, then the resumed one (``resume_at`` set); ``metrics``."""
+    v.table(raw, dotted, ("kind", "name", "arms", "metrics"))
+    name = v.check_name(raw["name"], f"{dotted}.name") if "name" in raw else None
+    straight, resumed = v.arm_pair(raw, dotted, arms)
+    if arms[straight].resume_at is not None:
+        raise v.error(f"{dotted}.arms.0", f'arm "{straight}" resumes (resume_at): the first arm trains straight')
+    if arms[resumed].resume_at is None:
+        raise v.error(f"{dotted}.arms.1", f'arm "{resumed}" never stops: set resume_at on it')
+    if arms[straight].train != arms[resumed].train:
+        differ = sorted(k for k in arms[straight].train if arms[straight].train[k] != arms[resumed].train.get(k))
+        raise v.error(f"{dotted}.arms", f"the two arms train differently ({', '.join(differ)}): nothing to owe")
+    metrics = v.metric_list(raw, dotted, METRIC_NAMES)
+    return CheckSpec(kind, name or f"{straight} vs {resumed}", (straight, resumed), metrics)
+
+
+def run(check: CheckSpec, suite: SuiteSpec, records: RunRecords) -> list[CheckResult]:
+    straight, resumed = check.arms
+    at = suite.arms[resumed].resume_at
+    loaded = records[resumed].info.get("resumed_from")
+    if loaded != at:
+        detail = (
+            f"arm {resumed} did not resume from its checkpoint of step {at}"
+            f" (arm.json records resumed_from {loaded!r}): nothing compared"
+        )
+        return [CheckResult(f"{check.name}: resumed", KIND, "fail", detail)]
+    results = [
+        dataclasses.replace(
+            compare_arms(
+                f"{check.name}: {metric}",
+                records[straight].metrics,
+                records[resumed].metrics,
+                metric,
+                Exact(),
+                straight,
+                resumed,
+            ),
+            kind=KIND,
+        )
+        for metric in check.metrics
+    ]
+    if any(r.status == "fail" for r in results):
+        where = first_divergence(records[straight].digests, records[resumed].digests, straight, resumed)
+        results = [
+            dataclasses.replace(r, detail=f"{r.detail}; {where['summary']}", extra={"first_gradient_divergence": where})
+            if r.status == "fail"
+            else r
+            for r in results
+        ]
+    resumed_line = f"{resumed} loaded its checkpoint of step {at} in a fresh launch"
+    return [CheckResult(f"{check.name}: resumed", KIND, "pass", resumed_line), *results]
+
+
+register(CheckFamily((KIND,), parse, run, reads=(METRICS, GRADIENT_DIGESTS)))

@@ -1,0 +1,190 @@
+"""Checkpoints of a reference :class:`~harness.reference.train.Trainer`, through torch.distributed.checkpoint.
+
+A training run that stops and resumes must go on exactly as if it had not stopped. A checkpoint
+therefore holds every logical rank's whole training state, keyed by logical rank, so that it loads
+into any process layout of the same EP degree (EP=2 on 2 processes saves, EP=2 on 1 process loads,
+and the reverse: each process writes and reads its own logical ranks' keys):
+
+- ``rank<r>.model.<name>``: every parameter and buffer of logical rank ``r``'s model, its expert
+  shard included (the correction biases are buffers);
+- ``rank<r>.optim.<name>.<step|exp_avg|exp_avg_sq>``: its AdamW state, per parameter by name;
+- ``rng.torch``: the CPU generator's state (process rank 0's), though the reference draws nothing
+  from it while training: its batches are functions of (seed, step, rank), so the data position is
+  the step, which the manifest records.
+
+Layout under a checkpoint folder::
+
+    step-<k>/                   a complete checkpoint, after update k
+        .metadata               torch.distributed.checkpoint's index of every tensor
+        __<p>_0.distcp          process p's tensors
+        harness.json            the step, the arm's config, the EP degree and the key count
+    step-<k>.partial/           a save in progress: never loaded, removed by the next save
+
+**Atomic.** Every process writes into ``step-<k>.partial``; once all have (a barrier), process rank
+0 writes ``harness.json`` there and renames the folder to ``step-<k>``. A save killed midway leaves
+a ``.partial`` folder and the previous checkpoint as it was. Only tensors are stored: nothing in a
+checkpoint is unpickled (``harness.json`` is JSON).
+
+**A partial checkpoint never loads.** :func:`load` checks ``harness.json`` against the arm's config
+and the saved keys against the trainer's before reading a byte of tensor data, and reads through
+torch.distributed.checkpoint, which fails on a missing or truncated shard: each is a
+:class:`CheckpointError` naming the file and what is missing.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import shutil
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+
+from harness.reference.train import Trainer
+
+FORMAT = 1
+MANIFEST = "harness.json"
+PARTIAL = ".partial"
+ADAM_STATE = ("step", "exp_avg", "exp_avg_sq")
+
+
+class CheckpointError(Exception):
+    """A checkpoint that cannot be loaded: the message names the file and what is wrong."""
+
+
+def state(trainer: Trainer) -> dict[str, torch.Tensor]:
+    """This process's keys: its logical ranks' models and AdamW states, and (process rank 0) the RNG.
+    The tensors are the live ones: loading into them restores the trainer in place. The planted
+    fault ``optimizer-not-saved`` leaves the AdamW states out (of the save and of the load)."""
+    tensors: dict[str, torch.Tensor] = {}
+    for rank, replica in trainer.replicas.items():
+        for name, tensor in replica.model.state_dict(keep_vars=True).items():
+            tensors[f"rank{rank}.model.{name}"] = tensor.data
+        for name, param in replica.model.named_parameters():
+            if not param.requires_grad or trainer.config.checkpoint_fault == "optimizer-not-saved":
+                continue
+            adam = replica.optimizer.state[param]
+            if not adam:  # before the first step: AdamW creates its state lazily
+                adam.update(
+                    step=torch.zeros((), dtype=torch.float32),
+                    exp_avg=torch.zeros_like(param, memory_format=torch.preserve_format),
+                    exp_avg_sq=torch.zeros_like(param, memory_format=torch.preserve_format),
+                )
+            for key in ADAM_STATE:
+                tensors[f"rank{rank}.optim.{name}.{key}"] = adam[key]
+    if trainer.group.process_rank == 0:
+        tensors["rng.torch"] = torch.get_rng_state()
+    return tensors
+
+
+def _fingerprint(trainer: Trainer) -> dict:
+    """What a checkpoint must match to load: the arm's config but its process layout."""
+    return dataclasses.asdict(trainer.config)
+
+
+def save(trainer: Trainer, step: int, folder: Path) -> Path:
+    """Save the trainer after update ``step`` into ``folder/step-<step>``, atomically; every process
+    calls it. Returns the checkpoint's path."""
+    final, partial = folder / f"step-{step}", folder / f"step-{step}{PARTIAL}"
+    first = trainer.group.process_rank == 0
+    if first:
+        shutil.rmtree(partial, ignore_errors=True)  # a save killed earlier
+        partial.mkdir(parents=True)
+    _barrier(trainer)
+    tensors = state(trainer)
+    dcp.save(tensors, storage_writer=dcp.FileSystemWriter(partial), no_dist=not trainer.group.distributed)
+    keys = _count(trainer, len(tensors) - (1 if first else 0))
+    _barrier(trainer)
+    if first:
+        manifest = {"format": FORMAT, "step": step, "ep": trainer.config.ep, "keys": keys + 1}
+        manifest["config"] = _fingerprint(trainer)
+        (partial / MANIFEST).write_text(json.dumps(manifest, indent=1, sort_keys=True))
+        _fsync_dir(partial)
+        if final.exists():
+            shutil.rmtree(final)
+        os.replace(partial, final)
+        _fsync_dir(folder)
+    _barrier(trainer)
+    return final
+
+
+def load(trainer: Trainer, folder: Path, step: int) -> int:
+    """Restore the trainer in place from ``folder``'s checkpoint of update ``step``; every process
+    calls it. Returns the data position the checkpoint records: training resumes at the batch after
+    it. The planted fault ``data-position-lost`` returns 0 instead (the batches start over)."""
+    checkpoint = folder / f"step-{step}"
+    if not checkpoint.is_dir():
+        found = sorted(p.name for p in folder.glob("step-*")) if folder.is_dir() else []
+        raise CheckpointError(f"{checkpoint}: no such checkpoint (found: {', '.join(found) or 'none'})")
+    manifest = _manifest(checkpoint)
+    expected, saved = _fingerprint(trainer), manifest["config"]
+    differing = sorted(k for k in expected.keys() | saved.keys() if expected.get(k) != saved.get(k))
+    if differing:
+        field = differing[0]
+        raise CheckpointError(
+            f"{checkpoint / MANIFEST}: config.{field}: saved {saved.get(field)!r}, this arm has {expected.get(field)!r}"
+        )
+    tensors = state(trainer)
+    if trainer.group.process_rank != 0:
+        tensors["rng.torch"] = torch.get_rng_state()  # every process takes process rank 0's stream
+    reader = dcp.FileSystemReader(checkpoint)
+    try:
+        stored = reader.read_metadata().state_dict_metadata
+    except FileNotFoundError:
+        raise CheckpointError(f"{checkpoint / '.metadata'}: missing: not a complete checkpoint") from None
+    missing = sorted(set(tensors) - set(stored))
+    if missing:
+        more = f" and {len(missing) - 1} more" if len(missing) > 1 else ""
+        raise CheckpointError(f"{checkpoint / '.metadata'}: no tensor {missing[0]}{more}")
+    try:
+        dcp.load(tensors, storage_reader=reader, no_dist=not trainer.group.distributed)
+    except Exception as e:  # torch reports a short or missing shard in its own words, per process
+        raise CheckpointError(f"{checkpoint}: cannot read its tensors: {_first_line(e)}") from None
+    torch.set_rng_state(tensors["rng.torch"])
+    return 0 if trainer.config.checkpoint_fault == "data-position-lost" else manifest["step"]
+
+
+def _manifest(checkpoint: Path) -> dict:
+    path = checkpoint / MANIFEST
+    try:
+        manifest = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise CheckpointError(f"{path}: missing: the save did not finish") from None
+    except (OSError, ValueError) as e:
+        raise CheckpointError(f"{path}: unreadable: {e}") from None
+    for key, kind in (("format", int), ("step", int), ("config", dict)):
+        if not isinstance(manifest.get(key), kind) or isinstance(manifest.get(key), bool):
+            raise CheckpointError(f"{path}: {key}: expected {kind.__name__}, got {manifest.get(key)!r}")
+    if manifest["format"] != FORMAT:
+        raise CheckpointError(f"{path}: format: {manifest['format']}, this harness reads {FORMAT}")
+    return manifest
+
+
+def _count(trainer: Trainer, local: int) -> int:
+    """The tensor keys of all processes, for the manifest."""
+    if not trainer.group.distributed:
+        return local
+    total = torch.tensor(local)
+    dist.all_reduce(total)
+    return int(total)
+
+
+def _barrier(trainer: Trainer) -> None:
+    if trainer.group.distributed:
+        dist.barrier()
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip().splitlines()
+    return f"{type(e).__name__}: {text[0] if text else ''}"
