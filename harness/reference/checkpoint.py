@@ -22,8 +22,10 @@ Layout under a checkpoint folder::
 
 **Atomic.** Every process writes into ``step-<k>.partial``; once all have (a barrier), process rank
 0 writes ``harness.json`` there and renames the folder to ``step-<k>``. A save killed midway leaves
-a ``.partial`` folder and the previous checkpoint as it was. Only tensors are stored: nothing in a
-checkpoint is unpickled (``harness.json`` is JSON).
+a ``.partial`` folder and the previous checkpoint as it was. Only tensors are stored, and
+``harness.json`` is JSON; but torch.distributed.checkpoint unpickles its ``.metadata``, so a
+checkpoint is read only where nobody else could have written it: every file and folder of it owned
+by this user and writable by no one else (the run's own folder), or it is refused.
 
 **A partial checkpoint never loads.** :func:`load` checks ``harness.json`` against the arm's config
 and the saved keys against the trainer's before reading a byte of tensor data, and reads through
@@ -33,15 +35,19 @@ torch.distributed.checkpoint, which fails on a missing or truncated shard: each 
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
 import shutil
+import warnings
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 
 from harness.reference.train import Trainer
 
@@ -95,7 +101,8 @@ def save(trainer: Trainer, step: int, folder: Path) -> Path:
         partial.mkdir(parents=True)
     _barrier(trainer)
     tensors = state(trainer)
-    dcp.save(tensors, storage_writer=dcp.FileSystemWriter(partial), no_dist=not trainer.group.distributed)
+    with _one_process_quietly():
+        dcp.save(tensors, storage_writer=dcp.FileSystemWriter(partial), no_dist=not trainer.group.distributed)
     keys = _count(trainer, len(tensors) - (1 if first else 0))
     _barrier(trainer)
     if first:
@@ -119,6 +126,7 @@ def load(trainer: Trainer, folder: Path, step: int) -> int:
     if not checkpoint.is_dir():
         found = sorted(p.name for p in folder.glob("step-*")) if folder.is_dir() else []
         raise CheckpointError(f"{checkpoint}: no such checkpoint (found: {', '.join(found) or 'none'})")
+    _own(checkpoint)
     manifest = _manifest(checkpoint)
     expected, saved = _fingerprint(trainer), manifest["config"]
     differing = sorted(k for k in expected.keys() | saved.keys() if expected.get(k) != saved.get(k))
@@ -140,11 +148,24 @@ def load(trainer: Trainer, folder: Path, step: int) -> int:
         more = f" and {len(missing) - 1} more" if len(missing) > 1 else ""
         raise CheckpointError(f"{checkpoint / '.metadata'}: no tensor {missing[0]}{more}")
     try:
-        dcp.load(tensors, storage_reader=reader, no_dist=not trainer.group.distributed)
-    except Exception as e:  # torch reports a short or missing shard in its own words, per process
-        raise CheckpointError(f"{checkpoint}: cannot read its tensors: {_first_line(e)}") from None
+        with _one_process_quietly():
+            dcp.load(tensors, storage_reader=reader, no_dist=not trainer.group.distributed)
+    except CheckpointException as e:  # a short or missing shard, in torch's words, per process
+        failures = [exc for exc, _ in e.failures.values()]
+        raise CheckpointError(f"{checkpoint}: cannot read its tensors: {_first_line(failures[0])}") from None
     torch.set_rng_state(tensors["rng.torch"])
     return 0 if trainer.config.checkpoint_fault == "data-position-lost" else manifest["step"]
+
+
+def _own(checkpoint: Path) -> None:
+    """Refuse a checkpoint another user could have written: its index is a pickle, which runs code."""
+    for path in [checkpoint, *checkpoint.iterdir()]:
+        info = path.stat()
+        if info.st_uid != os.getuid() or info.st_mode & 0o022:
+            raise CheckpointError(
+                f"{path}: owned by uid {info.st_uid}, mode {info.st_mode & 0o777:o}: another user could have"
+                " written it, and its index is unpickled when read: not loaded"
+            )
 
 
 def _manifest(checkpoint: Path) -> dict:
@@ -170,6 +191,14 @@ def _count(trainer: Trainer, local: int) -> int:
     total = torch.tensor(local)
     dist.all_reduce(total)
     return int(total)
+
+
+@contextlib.contextmanager
+def _one_process_quietly() -> Iterator[None]:
+    """Without a process group (EP in one process) torch warns that it saves in one process: as meant."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
+        yield
 
 
 def _barrier(trainer: Trainer) -> None:

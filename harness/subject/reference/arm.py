@@ -52,9 +52,9 @@ class ReferenceArm:
         if recorder is not None:
             sinks = {
                 "event_sink": recorder.exchange_event,
-                "grad_sink": lambda rank, step, grads: recorder.gradients(rank, step + self.offset, grads),
+                "grad_sink": lambda rank, step, grads: recorder.gradients(rank, self._update_of(step), grads),
                 "update_sink": lambda rank, step, update: recorder.rank_update(
-                    rank, step + self.offset, _update(update)
+                    rank, self._update_of(step), _update(update)
                 ),
             }
         if context.arm.oracle == "torchrec":
@@ -77,6 +77,10 @@ class ReferenceArm:
             return PECTrainer(config, **sinks, pec_sink=pec_sink, batches=context.steps)
         cache = GraphCache(context.cache_dir) if context.cache_dir else None
         return Trainer(config, **sinks, trace_cache=cache)
+
+    def _update_of(self, step: int) -> int:
+        """The harness's update number of the trainer's ``step`` (its batch number, once resumed)."""
+        return step + self.offset - self.data_offset
 
     def save_checkpoint(self, folder: Path, step: int) -> None:
         """The whole state after update ``step`` (harness.reference.checkpoint; plain arms only)."""
