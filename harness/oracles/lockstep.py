@@ -197,10 +197,10 @@ class Lockstep:
             oracle_grad_norm = clip_grad_norm(self.oracle, self.config.max_norm)
             self.optimizer.step()
             self.optimizer.zero_grad(set_to_none=True)
-            params = dict(self.oracle.named_parameters())
-            theirs["weight"] = self._as_reference(params)
+            named = dict(self.oracle.named_parameters())
+            theirs["weight"] = self._as_reference(named)
             for key, label in ADAM_MOMENTS.items():
-                theirs[label] = self._as_reference({n: self.optimizer.state[p][key] for n, p in params.items()})
+                theirs[label] = self._as_reference({n: self.optimizer.state[p][key] for n, p in named.items()})
         ours = {
             "grad": grads,
             "weight": self._gather(

@@ -19,7 +19,6 @@ from typing import Any
 
 import torch
 
-from harness.reference import checkpoint
 from harness.reference.chunking.trace_cache import GraphCache
 from harness.reference.delayed_oracle import DelayedOracleTrainer
 from harness.reference.pec import PECConfig, PECTrainer
@@ -83,12 +82,17 @@ class ReferenceArm:
         return step + self.offset - self.data_offset
 
     def save_checkpoint(self, folder: Path, step: int) -> None:
-        """The whole state after update ``step`` (harness.reference.checkpoint; plain arms only)."""
+        """The whole state after update ``step`` (harness.reference.checkpoint; plain arms only).
+        Imported here: torch.distributed.checkpoint costs every rank a second to import."""
+        from harness.reference import checkpoint
+
         checkpoint.save(self.trainer, step, folder)
 
     def load_checkpoint(self, folder: Path, step: int) -> None:
         """Restores the state saved after update ``step``; training goes on from the data position
         the checkpoint records, which is ``step`` unless a planted fault lost it."""
+        from harness.reference import checkpoint
+
         position = checkpoint.load(self.trainer, folder, step)
         self.data_offset = position - step
         self.resumed_from = step
