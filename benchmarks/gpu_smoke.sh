@@ -61,7 +61,6 @@ run determinism determinism
 run retention retention
 run pec pec
 run fidelity fidelity
-run fidelity-torchtitan fidelity-torchtitan
 run parity-bf16 parity-bf16
 run fidelity-bf16 fidelity-bf16
 

@@ -36,7 +36,6 @@ def test_every_item_of_the_smoke_that_runs_on_cpu_passes_there(tmp_path: Path) -
         "PASS retention",
         "PASS pec",
         "PASS fidelity",
-        "PASS fidelity-torchtitan",
         "PASS parity-bf16",
         "PASS fidelity-bf16",
         "PASS abba eager vs graph, timed by wall",
