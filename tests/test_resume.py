@@ -7,16 +7,20 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import tempfile
 import textwrap
 from pathlib import Path
 
+import pandas as pd
 import pytest
 import torch
-from suite_files import suite_error
+from suite_files import suite_error, suite_from
 
-from harness.records import read_jsonl
+from harness.checks.resume import run as judge_resume
+from harness.records import ArmRecords, read_jsonl
 from harness.reference import checkpoint
 from harness.reference.train import TrainConfig, Trainer
+from harness.specs import CheckSpec
 
 CONFIG = TrainConfig(ep=2, chunking="eager", chunks=2)  # EP=2 as logical ranks of this process
 
@@ -99,6 +103,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 from harness.reference import checkpoint
 from harness.reference.train import TrainConfig, Trainer
+from harness.specs import CheckSpec
 
 folder, again = Path(sys.argv[1]), int(sys.argv[2])
 torch.manual_seed(0)
@@ -216,3 +221,32 @@ def test_a_checkpoint_others_could_write_is_not_read(saved: Path) -> None:
         checkpoint.CheckpointError, match=r"step-2/\.metadata: owned by uid \d+, mode 666: another user"
     ):
         checkpoint.load(_trainer(), saved, 2)
+
+
+def _judged(resumed_info: dict, straight_losses: list[float], resumed_losses: list[float]) -> dict[str, str]:
+    """The resume check on synthetic records of MINI's two arms: name -> status."""
+
+    def metrics(losses: list[float]) -> pd.DataFrame:
+        steps = pd.Index(range(1, len(losses) + 1), name="step")
+        return pd.DataFrame({"loss": losses, "grad_norm": [1.0] * len(losses)}, index=steps)
+
+    with tempfile.TemporaryDirectory() as tmp:
+        suite = suite_from(Path(tmp), MINI)
+    records = {
+        "straight": ArmRecords(metrics=metrics(straight_losses)),
+        "resumed": ArmRecords(metrics=metrics(resumed_losses), info=resumed_info),
+    }
+    check = CheckSpec("resume", "straight vs resumed", ("straight", "resumed"), ("loss", "grad_norm"))
+    return {r.name: r.status for r in judge_resume(check, suite, records)}
+
+
+def test_the_resume_check_fails_an_arm_that_never_loaded_even_with_equal_numbers() -> None:
+    """A resume that silently started over from the same seed would match bit for bit: not a pass."""
+    assert _judged({"resumed_from": None}, [5.0] * 4, [5.0] * 4) == {"straight vs resumed: resumed": "fail"}
+    assert _judged({}, [5.0] * 4, [5.0] * 4) == {"straight vs resumed: resumed": "fail"}
+
+
+def test_the_resume_check_fails_on_no_steps_and_on_a_differing_step() -> None:
+    assert _judged({"resumed_from": 2}, [5.0] * 4, [5.0] * 4)["straight vs resumed: loss"] == "pass"
+    assert _judged({"resumed_from": 2}, [5.0] * 4, [5.0, 5.0, 5.1, 5.0])["straight vs resumed: loss"] == "fail"
+    assert _judged({"resumed_from": 2}, [], [])["straight vs resumed: loss"] == "fail"
