@@ -53,15 +53,15 @@ def run(check: CheckSpec, suite: SuiteSpec, records: RunRecords) -> list[CheckRe
         for metric in check.metrics
     ]
     if isinstance(tier, (Exact, Ulp)) and any(r.status == "fail" for r in results):
-        results = _localised(results, first_divergence(records[a].digests, records[b].digests, a, b))
+        results = localised(results, first_divergence(records[a].digests, records[b].digests, a, b))
     if check.kind == DETERMINISM and suite.arms[a].emits(TOKEN_EXCHANGE):
         events = same_events(f"{check.name}: events", records[a], records[b], a, b)
         results.append(dataclasses.replace(events, kind=check.kind))
     return results
 
 
-def _localised(results: list[CheckResult], where: dict) -> list[CheckResult]:
-    """Failed metric comparisons, with where the arms' digests first differ added."""
+def localised(results: list[CheckResult], where: dict) -> list[CheckResult]:
+    """Failed metric comparisons, with where the arms' digests first differ added (resume's too)."""
     return [
         dataclasses.replace(
             r, detail=f"{r.detail}; {where['summary']}", extra={**r.extra, "first_gradient_divergence": where}

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 
+from harness.checks.pairs import localised
 from harness.checks.registry import CheckFamily, SuiteReader, register
 from harness.compare import CheckResult, Exact, compare_arms
 from harness.digests import first_divergence
@@ -68,13 +69,9 @@ def run(check: CheckSpec, suite: SuiteSpec, records: RunRecords) -> list[CheckRe
         for metric in check.metrics
     ]
     if any(r.status == "fail" for r in results):
-        where = first_divergence(records[straight].digests, records[resumed].digests, straight, resumed)
-        results = [
-            dataclasses.replace(r, detail=f"{r.detail}; {where['summary']}", extra={"first_gradient_divergence": where})
-            if r.status == "fail"
-            else r
-            for r in results
-        ]
+        results = localised(
+            results, first_divergence(records[straight].digests, records[resumed].digests, straight, resumed)
+        )
     resumed_line = f"{resumed} loaded its checkpoint of step {at} in a fresh launch"
     return [CheckResult(f"{check.name}: resumed", KIND, "pass", resumed_line), *results]
 

@@ -118,6 +118,16 @@ def clip_grad_norm(model: nn.Module, max_norm: float) -> torch.Tensor:
     return total
 
 
+def sum_over_processes(model: nn.Module, loss: torch.Tensor) -> torch.Tensor:
+    """Under expert parallelism: the loss and the replicated (non-DTensor) gradients summed over the
+    processes (an expert shard's gradient came back through the all-to-all). Returns the loss."""
+    loss = loss.detach()
+    dense = [p.grad for p in model.parameters() if p.grad is not None and not isinstance(p, DTensor)]
+    for tensor in [loss, *dense]:
+        dist.all_reduce(tensor)
+    return loss
+
+
 class Lockstep:
     """A reference :class:`Trainer` and an oracle's model stepped together; the arm's trainer.
 
@@ -279,12 +289,7 @@ class Lockstep:
             loss = torch.stack(per_rank).sum() / self.config.ep
         loss.backward()
         if self.counterpart.expert_parallel:
-            loss = loss.detach()
-            for tensor in [
-                loss,
-                *(p.grad for p in model.parameters() if p.grad is not None and not isinstance(p, DTensor)),
-            ]:
-                dist.all_reduce(tensor)
+            loss = sum_over_processes(model, loss)
         return loss.item()
 
     def _gather(self, local: dict[int, Tensors]) -> Tensors:
