@@ -72,12 +72,14 @@ def test_second_sigint_while_the_outputs_are_written_aborts_with_130(
     out = tmp_path / "run"
     proc = _training(start_harness, out, plant(SLOW_REPORT))
     proc.send_signal(signal.SIGINT)
-    _wait_for(out / "summary.json", proc, timeout_s=60)  # written first, before junit.xml and the report
+    # summary.json, then junit.xml, go before the (slowed) report: the second signal lands after both
+    _wait_for(out / "junit.xml", proc, timeout_s=60)
     proc.send_signal(signal.SIGINT)
     stdout, stderr = proc.communicate(timeout=30)
     assert proc.returncode == 130, stdout + stderr
     assert json.loads((out / "summary.json").read_text())["verdict"] == "cancelled"
-    assert (out / "junit.xml").is_file()
+    assert "<error" in (out / "junit.xml").read_text()
+    assert not (out / "report.html").exists()  # the second signal cut the report short
     assert not processes_mentioning(str(out))
 
 
