@@ -45,8 +45,10 @@ def test_every_item_of_the_smoke_that_runs_on_cpu_passes_there(tmp_path: Path) -
 
 
 def test_a_run_that_fails_is_a_fail_line_naming_its_exit_and_the_smoke_exits_1(tmp_path: Path) -> None:
-    run = _smoke(tmp_path, STEPS="1", SET="debug.fail_step=1")
+    run = _smoke(tmp_path, STEPS="1", SET="debug.fail_step=1", ONLY="doctor determinism")
     assert run.returncode == 1, run.stdout + run.stderr
     lines = run.stdout.splitlines()
     assert f"FAIL determinism (exit 3; {tmp_path / 'smoke' / 'determinism'})" in lines
     assert "PASS doctor (preflight and one training step)" in lines  # the doctor plants nothing
+    assert {"SKIP parity (not in ONLY)", "SKIP parity-bf16 (not in ONLY)", "SKIP abba (not in ONLY)"} <= set(lines)
+    assert not [line for line in lines if line.startswith("PASS parity")]
