@@ -140,13 +140,11 @@ schedule.EPScheduler.order = one_chunk_at_a_time
 """
 
 
-@pytest.mark.parametrize("suite", ["parity", "parity-inductor"])
-def test_a_scheduler_that_stops_overlapping_fails_only_the_overlap_check(
-    run_harness, plant, tmp_path: Path, suite: str
-) -> None:
-    """Chunk 1 launches only once chunk 0's exchanges have landed: same numbers, same exchanges; with
-    attention compiled by regional Inductor too."""
-    run, out = run_parity_with(run_harness, plant, tmp_path, ONE_CHUNK_AT_A_TIME, suite)
+def test_a_scheduler_that_stops_overlapping_fails_only_the_overlap_check(run_harness, plant, tmp_path: Path) -> None:
+    """Chunk 1 launches only once chunk 0's exchanges have landed: same numbers, same exchanges.
+    (Regional Inductor compiles attention only, which launches no exchange: parity-inductor's overlap
+    is judged by the same events, and passes in the test below.)"""
+    run, out = run_parity_with(run_harness, plant, tmp_path, ONE_CHUNK_AT_A_TIME)
     assert run.returncode == 1, run.stdout + run.stderr
     assert failing(run, out) == {"eager: overlap", "eager-traced: overlap", "graph: overlap"}
     graph = run.check(out, "graph: overlap")

@@ -59,7 +59,7 @@ titan._fp32_experts = experts
 
 def test_the_pair_passes_and_fails_on_a_bug_in_the_change(run_harness, plant, tmp_path: Path) -> None:
     out = tmp_path / "run"
-    run = run_harness("run", "torchtitan-pair", "--ranks", 2, "--out", out, timeout=600)
+    run = run_harness("run", "torchtitan-pair", "--ranks", 2, "--steps", 4, "--out", out, timeout=600)
     assert run.returncode == 0, run.stdout + run.stderr
     out = tmp_path / "with-the-bug"
     planted = ("--ranks", 2, "--steps", 2, "--out", out)
