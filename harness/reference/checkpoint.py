@@ -55,6 +55,7 @@ FORMAT = 1
 MANIFEST = "harness.json"
 PARTIAL = ".partial"
 ADAM_STATE = ("step", "exp_avg", "exp_avg_sq")
+IN_FLIGHT = "in_flight"  # the namespace of a pipelined trainer's work between steps, per logical rank
 
 
 class CheckpointError(Exception):
@@ -86,6 +87,28 @@ def state(trainer: Trainer) -> dict[str, torch.Tensor]:
     return tensors
 
 
+def in_flight(trainer: Trainer) -> dict[str, torch.Tensor]:
+    """This process's ``rank<r>.in_flight.<name>`` keys: the work a pipelined trainer holds between
+    steps (``Trainer.in_flight_state``), whose count and shapes vary: a load sizes them from the
+    checkpoint's index."""
+    return {
+        f"rank{rank}.{IN_FLIGHT}.{name}": tensor
+        for rank, held in trainer.in_flight_state().items()
+        for name, tensor in held.items()
+    }
+
+
+class _Held(dict):
+    """One logical rank's in-flight tensors as loaded: a name the checkpoint lacks is refused, naming it."""
+
+    def __init__(self, index: Path, prefix: str) -> None:
+        super().__init__()
+        self.index, self.prefix = index, prefix
+
+    def __missing__(self, name: str) -> torch.Tensor:
+        raise CheckpointError(f"{self.index}: no tensor {self.prefix}{name}")
+
+
 def _fingerprint(trainer: Trainer) -> dict:
     """What a checkpoint must match to load: the arm's config but its process layout."""
     return dataclasses.asdict(trainer.config)
@@ -100,7 +123,7 @@ def save(trainer: Trainer, step: int, folder: Path) -> Path:
         shutil.rmtree(partial, ignore_errors=True)  # a save killed earlier
         partial.mkdir(parents=True)
     _barrier(trainer)
-    tensors = state(trainer)
+    tensors = state(trainer) | in_flight(trainer)
     with _one_process_quietly():
         dcp.save(tensors, storage_writer=dcp.FileSystemWriter(partial), no_dist=not trainer.group.distributed)
     keys = _count(trainer, len(tensors) - (1 if first else 0))
@@ -147,12 +170,18 @@ def load(trainer: Trainer, folder: Path, step: int) -> int:
     if missing:
         more = f" and {len(missing) - 1} more" if len(missing) > 1 else ""
         raise CheckpointError(f"{checkpoint / '.metadata'}: no tensor {missing[0]}{more}")
+    held = {rank: _Held(checkpoint / ".metadata", f"rank{rank}.{IN_FLIGHT}.") for rank in trainer.replicas}
+    for key, meta in stored.items():  # sized from the index: their count and shapes vary
+        for ours in held.values():
+            if key.startswith(ours.prefix):
+                ours[key.removeprefix(ours.prefix)] = tensors[key] = torch.empty(meta.size, dtype=meta.properties.dtype)
     try:
         with _one_process_quietly():
             dcp.load(tensors, storage_reader=reader, no_dist=not trainer.group.distributed)
     except CheckpointException as e:  # a short or missing shard, in torch's words, per process
         failures = [exc for exc, _ in e.failures.values()]
         raise CheckpointError(f"{checkpoint}: cannot read its tensors: {_first_line(failures[0])}") from None
+    trainer.load_in_flight(held)
     torch.set_rng_state(tensors["rng.torch"])
     return 0 if trainer.config.checkpoint_fault == "data-position-lost" else manifest["step"]
 
