@@ -41,8 +41,9 @@ import json
 import os
 import shutil
 import warnings
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -163,9 +164,11 @@ def load(trainer: Trainer, folder: Path, step: int) -> int:
         tensors["rng.torch"] = torch.get_rng_state()  # every process takes process rank 0's stream
     reader = dcp.FileSystemReader(checkpoint)
     try:
-        stored = reader.read_metadata().state_dict_metadata
+        index = reader.read_metadata()
     except FileNotFoundError:
         raise CheckpointError(f"{checkpoint / '.metadata'}: missing: not a complete checkpoint") from None
+    _whole_shards(checkpoint, index.storage_data.values())
+    stored = index.state_dict_metadata
     missing = sorted(set(tensors) - set(stored))
     if missing:
         more = f" and {len(missing) - 1} more" if len(missing) > 1 else ""
@@ -195,6 +198,22 @@ def _own(checkpoint: Path) -> None:
                 f"{path}: owned by uid {info.st_uid}, mode {info.st_mode & 0o777:o}: another user could have"
                 " written it, and its index is unpickled when read: not loaded"
             )
+
+
+def _whole_shards(checkpoint: Path, extents: Iterable[Any]) -> None:
+    """Every shard file the index reads from, there and as long as the index reads: checked on every
+    process before any reads, so a missing or short shard is refused alike everywhere, naming it
+    (torch would say only that some read failed). ``extents``: the index's storage records, each a
+    shard's ``relative_path`` and the ``offset`` and ``length`` of one tensor's bytes in it."""
+    needed: dict[str, int] = {}
+    for extent in extents:
+        needed[extent.relative_path] = max(needed.get(extent.relative_path, 0), extent.offset + extent.length)
+    for name, size in sorted(needed.items()):
+        shard = checkpoint / name
+        if not shard.is_file():
+            raise CheckpointError(f"{shard}: missing: the index reads {size} bytes of tensors from it")
+        if shard.stat().st_size < size:
+            raise CheckpointError(f"{shard}: truncated: {shard.stat().st_size} bytes, the index reads {size}")
 
 
 def _manifest(checkpoint: Path) -> dict:
