@@ -6,15 +6,32 @@ into any process layout of the same EP degree (EP=2 on 2 processes saves, EP=2 o
 and the reverse: each process writes and reads its own logical ranks' keys):
 
 - ``rank<r>.model.<name>``: every parameter and buffer of logical rank ``r``'s model, its expert
-  shard included (the correction biases are buffers);
+  shard included (the correction biases are buffers; a PEC arm's table shard is a parameter);
 - ``rank<r>.optim.<name>.<step|exp_avg|exp_avg_sq>``: its AdamW state, per parameter by name;
+- ``rank<r>.in_flight.<name>``: the work a pipelined trainer holds between steps
+  (``Trainer.in_flight_state``; none for plain training, which finishes each batch in its step):
+
+  - a versioned arm (:class:`~harness.reference.pipeline.VersionedTrainer`): ``trainer`` (tick,
+    update and record counters), ``version`` (generation, revision), ``counters`` (forward
+    sequence, forwards, replays), ``logprobs_now.<batch>`` (the correction's current logprobs),
+    per pending forward ``forward.<seq>.<batch|version|inputs|labels|loss|logprobs|rng>``, and each
+    version's snapshot once, ``snapshot.<generation>.<revision>.<name>``, however many pending
+    forwards share it. A graph is not a tensor: a restored forward replays on its snapshot with its
+    RNG state, under every retention, and the replay checks the saved loss bit for bit
+    (:meth:`~harness.reference.versioned.VersionedModel.load_state`);
+  - a PEC arm (:class:`~harness.reference.pec.PECTrainer`): ``trainer`` (batches done), ``events``
+    (the event counter), ``rowwise_state`` (the row-wise optimizer's) and each gradient part backward
+    handed over and nobody applied yet, ``gradient.<batch>.<OL|NOL>.<ids|grads>`` (pipelined,
+    between batches: the last batch's NOL part);
+
+  their count and shapes vary, so a load sizes them from the checkpoint's index;
 - ``rng.torch``: the CPU generator's state (process rank 0's), though the reference draws nothing
   from it while training: its batches are functions of (seed, step, rank), so the data position is
   the step, which the manifest records.
 
 Layout under a checkpoint folder::
 
-    step-<k>/                   a complete checkpoint, after update k
+    step-<k>/                   a complete checkpoint, after the arm's step k
         .metadata               torch.distributed.checkpoint's index of every tensor
         __<p>_0.distcp          process p's tensors
         harness.json            the step, the arm's config, the EP degree and the key count
@@ -27,10 +44,17 @@ a ``.partial`` folder and the previous checkpoint as it was. Only tensors are st
 checkpoint is read only where nobody else could have written it: every file and folder of it owned
 by this user and writable by no one else (the run's own folder), or it is refused.
 
-**A partial checkpoint never loads.** :func:`load` checks ``harness.json`` against the arm's config
-and the saved keys against the trainer's before reading a byte of tensor data, and reads through
-torch.distributed.checkpoint, which fails on a missing or truncated shard: each is a
-:class:`CheckpointError` naming the file and what is missing.
+**A partial checkpoint never loads.** :func:`load` checks, before reading a byte of tensor data,
+``harness.json`` against the arm's config, every shard file the index reads from (there, and as
+long as the index reads), and the saved keys against the trainer's; then it reads through
+torch.distributed.checkpoint, which fails on whatever else is wrong with a shard. Each is a
+:class:`CheckpointError` naming the file and what is missing. An in-flight tensor the trainer
+needs and the index lacks is refused the same way, naming its key.
+
+**Planted faults** (``TrainConfig.checkpoint_fault``, for the harness's ``resume`` suite): the
+AdamW state left out (:func:`state`), the data position lost (:func:`load`), a versioned arm's
+oldest pending forward left out, a PEC arm's pending NOL part left out (their trainers'
+``in_flight_state``). Each checkpoint still loads; only the numbers after it show the loss.
 """
 
 from __future__ import annotations

@@ -46,6 +46,11 @@ every trainer shares this code, so only an independent implementation sees them)
 adding it; ``sum-one-source`` keeps, per id, one source rank's gradient row instead of the sum over
 source ranks.
 
+**Checkpoint** (:meth:`PECTrainer.in_flight_state`): between batches, the row-wise optimizer's
+state and every gradient part not yet applied (pipelined: the last batch's NOL part, not yet
+started). A loaded trainer starts and applies only what it holds: the pipeline's filling rule skips
+the batches before the oldest of them.
+
 **Batches** (:class:`PECBatches`): batch N draws each logical rank's tokens uniformly from a pool of
 ids common to the EP group. Pool N+1 keeps ``round(pec_overlap * size)`` ids of pool N and draws
 the rest from the ids outside it, so ``pec_overlap`` is the fraction of batch N+1's candidate ids

@@ -10,6 +10,10 @@ pipeline fills) and applied at revision ``b``, so its age is ``min(b, delay)``. 
 delay for every batch but the first ``delay``, whose forwards ran while the pipeline filled; the
 batches applied by the drain have the full age.
 
+Between two ticks the pending forwards are the pipeline's whole state beyond the weights and AdamW:
+:meth:`VersionedTrainer.in_flight_state` hands them to a checkpoint, ``load_in_flight`` takes them
+back, and the pipeline goes on as if it had not stopped.
+
 The trainer reuses :class:`~harness.reference.train.Trainer` for everything that is not about
 versions: logical EP ranks in threads or processes, the canonical (logical-rank order) dense
 gradient sum, global-norm clipping and AdamW. Every reduction added here is also an all-gather

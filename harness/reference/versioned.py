@@ -17,6 +17,9 @@ A :class:`VersionedModel` wraps one logical rank's model and optimizer:
   nothing and re-runs the forward at backward time on the record's snapshot with its saved RNG
   state, and checks that it reproduced the forward's loss bit for bit. All three give bitwise
   identical gradients.
+* **Checkpoint** of the forwards still pending (:meth:`VersionedModel.state`, ``load_state``):
+  each one's recipe and its version's snapshot; a graph cannot be saved, so a restored forward's
+  backward replays it, under every retention.
 * **Transactional commit.** The gradients of a batch of backwards are staged, validated, agreed on
   by every logical rank (errors are all-gathered across threads and processes), and only then
   published to ``.grad``; any failure leaves every ``.grad`` and weight untouched on every rank.
