@@ -61,50 +61,34 @@ def _command(args: tuple) -> list[str]:
     return [sys.executable, "-m", "harness", *map(str, args)]
 
 
-def _cli_environment(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
-    """What every CLI run of a test sees. An empty golden root, unless a test passes --golden-dir:
-    no test may depend on the goldens shipped for the machine it runs on. One trace cache per test
-    session (all xdist workers), never the user's own: a traced arm is traced once per session, and
-    every later run checks the cached graph as it would a fresh one. The key that signs its entries
-    is the session's too (XDG_CONFIG_HOME): no test touches ~/.config."""
-    session = tmp_path_factory.getbasetemp()
-    if os.environ.get("PYTEST_XDIST_WORKER"):
-        session = session.parent  # popen-gw<k>/ sits in the session's directory
-    return {
-        "HARNESS_GOLDEN_DIR": str(tmp_path_factory.mktemp("no-goldens")),
-        "HARNESS_TRACE_CACHE": str(session / "trace-cache"),
-        "XDG_CONFIG_HOME": str(session / "config"),
-    }
+@pytest.fixture(autouse=True)
+def no_shipped_goldens(tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch) -> None:
+    """CLI runs see an empty golden root unless a test passes --golden-dir: no test may depend on
+    the goldens shipped for the machine it runs on."""
+    monkeypatch.setenv("HARNESS_GOLDEN_DIR", str(tmp_path_factory.mktemp("no-goldens")))
 
 
 @pytest.fixture(autouse=True)
-def cli_environment(tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Every test runs in :func:`_cli_environment`."""
-    for key, value in _cli_environment(tmp_path_factory).items():
-        monkeypatch.setenv(key, value)
-
-
-def _run_cli(*args: object, timeout: float = 240, env: dict[str, object] | None = None) -> CliRun:
-    start = time.monotonic()
-    environ = {**os.environ, **{k: str(v) for k, v in (env or {}).items()}}
-    proc = subprocess.run(_command(args), cwd=REPO, capture_output=True, text=True, timeout=timeout, env=environ)
-    return CliRun(proc.returncode, proc.stdout, proc.stderr, time.monotonic() - start)
+def shared_trace_cache(tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Runs share one trace cache per test session (all xdist workers), never the user's own: a traced
+    arm is traced once per session, and every later run checks the cached graph as it would a fresh one.
+    The key that signs its entries is the session's too (XDG_CONFIG_HOME): no test touches ~/.config."""
+    session = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        session = session.parent  # popen-gw<k>/ sits in the session's directory
+    monkeypatch.setenv("HARNESS_TRACE_CACHE", str(session / "trace-cache"))
+    monkeypatch.setenv("XDG_CONFIG_HOME", str(session / "config"))
 
 
 @pytest.fixture
 def run_harness() -> Callable[..., CliRun]:
     """``run_harness("run", "determinism", "--steps", 3)``: the real CLI, waited for."""
-    return _run_cli
-
-
-@pytest.fixture(scope="module")
-def run_harness_once(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., CliRun]:
-    """``run_harness`` for a module-scoped fixture: one run that several tests read, so that a slow
-    run is paid once. Module fixtures start outside every test's monkeypatched environment, so the
-    test environment is passed by hand."""
 
     def run(*args: object, timeout: float = 240, env: dict[str, object] | None = None) -> CliRun:
-        return _run_cli(*args, timeout=timeout, env={**_cli_environment(tmp_path_factory), **(env or {})})
+        start = time.monotonic()
+        environ = {**os.environ, **{k: str(v) for k, v in (env or {}).items()}}
+        proc = subprocess.run(_command(args), cwd=REPO, capture_output=True, text=True, timeout=timeout, env=environ)
+        return CliRun(proc.returncode, proc.stdout, proc.stderr, time.monotonic() - start)
 
     return run
 

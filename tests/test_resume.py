@@ -201,15 +201,6 @@ def test_a_save_killed_midway_leaves_the_previous_checkpoint_loadable(tmp_path: 
     assert _losses(resumed, range(2, 4)) == expected
 
 
-@pytest.fixture(scope="module")
-def suite_run(run_harness_once, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The shipped suite, run once for the tests that read it."""
-    out = tmp_path_factory.mktemp("resume") / "run"
-    run = run_harness_once("run", "resume", "--ranks", 2, "--out", out, timeout=600)
-    assert run.returncode == 0, run.stdout + run.stderr
-    return out
-
-
 RESUMED = {  # the suite's resumed arms and their straight arms
     "resumed": "straight",
     "resharded": "straight",
@@ -219,43 +210,41 @@ RESUMED = {  # the suite's resumed arms and their straight arms
 }
 
 
-def test_the_suite_passes_every_case(suite_run: Path) -> None:
-    checks = {c["name"]: c for c in json.loads((suite_run / "summary.json").read_text())["checks"]}
-    assert {c["status"] for c in checks.values()} == {"pass", "skip"}
+def _in_flight(out: Path, arm: str, rank: int) -> set[str]:
+    """Logical rank ``rank``'s in-flight keys in an arm's checkpoint of the suite's run."""
+    saved = out / "arms" / arm / "checkpoint" / "step-4"
+    prefix = f"rank{rank}.in_flight."
+    keys = dcp.FileSystemReader(saved).read_metadata().state_dict_metadata
+    return {k.removeprefix(prefix) for k in keys if k.startswith(prefix)}
+
+
+def test_the_suite_passes_every_case(run_harness, tmp_path: Path) -> None:
+    """One run of the shipped suite, read for every case (a run costs a minute on 2 cores)."""
+    out = tmp_path / "run"
+    run = run_harness("run", "resume", "--ranks", 2, "--out", out, timeout=600)
+    assert run.returncode == 0, run.stdout + run.stderr
+    checks = {c["name"]: c for c in run.summary(out)["checks"]}
     for arm, straight in RESUMED.items():
         pair = f"{straight} vs {arm}"
         assert checks[f"{pair}: resumed"]["detail"] == f"{arm} loaded its checkpoint of step 4 in a fresh launch"
         assert checks[f"{pair}: loss"]["detail"] == "6 steps bitwise identical"
         assert checks[f"{pair}, final weights"]["status"] == "pass"
-        assert [m["step"] for m in read_jsonl(suite_run / "arms" / arm / "metrics.jsonl")] == [1, 2, 3, 4, 5, 6]
+        assert [m["step"] for m in read_jsonl(out / "arms" / arm / "metrics.jsonl")] == [1, 2, 3, 4, 5, 6]
     # The resumed arms share a saving launch, then load on 2 processes or, resharded, on one.
-    logs = {p.name for p in (suite_run / "logs").iterdir() if p.is_dir()}
+    logs = {p.name for p in (out / "logs").iterdir() if p.is_dir()}
     saving = "+".join(RESUMED) + "@1-4"
     resharded = "+".join(arm for arm in RESUMED if arm.endswith("resharded")) + "@5-"
     loading = "+".join(arm for arm in RESUMED if not arm.endswith("resharded")) + "@5-"
     assert logs == {"straight+versioned+pec", saving, loading, resharded}, logs
-    assert sorted(p.name for p in (suite_run / "logs" / resharded).glob("rank*.log")) == ["rank0.log"]
-
-
-def _index(suite_run: Path, arm: str) -> set[str]:
-    return set(
-        dcp.FileSystemReader(suite_run / "arms" / arm / "checkpoint" / "step-4").read_metadata().state_dict_metadata
-    )
-
-
-def test_a_versioned_checkpoint_holds_two_forwards_in_flight_at_two_versions(suite_run: Path) -> None:
-    """After tick 4 at delay 2, batches 3 and 4 wait for their backward, forwarded at revisions 0 and 1."""
+    assert sorted(p.name for p in (out / "logs" / resharded).glob("rank*.log")) == ["rank0.log"]
     for rank in (0, 1):
-        keys = {k.removeprefix(f"rank{rank}.in_flight.") for k in _index(suite_run, "versioned-retain")}
-        assert {k.split(".")[1] for k in keys if k.startswith("forward.") and k.endswith(".batch")} == {"2", "3"}
-        assert {".".join(k.split(".")[1:3]) for k in keys if k.startswith("snapshot.")} == {"0.0", "0.1"}
-
-
-def test_a_pec_checkpoint_holds_the_pending_nol_part(suite_run: Path) -> None:
-    keys = _index(suite_run, "pec-resumed")
-    for rank in (0, 1):
-        held = {k.removeprefix(f"rank{rank}.in_flight.") for k in keys if k.startswith(f"rank{rank}.in_flight.")}
-        assert held == {"trainer", "events", "rowwise_state", "gradient.4.NOL.ids", "gradient.4.NOL.grads"}
+        # After tick 4 at delay 2, batches 3 and 4 wait for their backward, forwarded at revisions 0 and 1.
+        held = _in_flight(out, "versioned-retain", rank)
+        assert {k.split(".")[1] for k in held if k.startswith("forward.") and k.endswith(".batch")} == {"2", "3"}
+        assert {".".join(k.split(".")[1:3]) for k in held if k.startswith("snapshot.")} == {"0.0", "0.1"}
+        # Between batches 4 and 5 of a pipelined PEC table, batch 4's NOL part is pending.
+        pec = {"trainer", "events", "rowwise_state", "gradient.4.NOL.ids", "gradient.4.NOL.grads"}
+        assert _in_flight(out, "pec-resumed", rank) == pec
 
 
 def test_resumed_arms_that_stop_alike_share_their_launches() -> None:
@@ -268,9 +257,9 @@ def test_resumed_arms_that_stop_alike_share_their_launches() -> None:
     ]
 
 
-MINI = """
-name = "mini-resume"
-description = "straight against resumed"
+HEAD = """
+name = "{name}"
+description = "{description}"
 ranks = 2
 steps = 4
 [model]
@@ -279,6 +268,10 @@ config = "cpu-tiny"
 routing = "forced-balanced"
 chunking = "eager"
 chunks = 2
+"""
+MINI = (
+    HEAD.format(name="mini-resume", description="straight against resumed")
+    + """
 [arms.straight]
 [arms.resumed]
 resume_at = 2
@@ -286,20 +279,10 @@ resume_at = 2
 kind = "resume"
 arms = ["straight", "resumed"]
 """
+)
 
 
-FAULTS = """
-name = "resume-faults"
-description = "each planted checkpoint bug in a resumed arm, against the arm that never stopped"
-ranks = 2
-steps = 4
-[model]
-config = "cpu-tiny"
-[train]
-routing = "forced-balanced"
-chunking = "eager"
-chunks = 2
-"""
+FAULTS = HEAD.format(name="resume-faults", description="each planted checkpoint bug against the arm that never stopped")
 STRAIGHT = {"straight": "", "versioned": 'delay = 2\ncorrection = "always"\n', "pec": 'pec = "pipelined"\n'}
 # Each fault's arm (resumed after step 2): its straight arm, and where the resume check must find it.
 PLANTED = {
@@ -313,27 +296,23 @@ PLANTED = {
 }
 
 
-@pytest.fixture(scope="module")
-def faults_run(run_harness_once, tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict]:
-    """One run of every planted fault's arm beside the straight arms: check name -> check."""
+def test_each_planted_checkpoint_bug_fails_naming_the_step_and_parameter(run_harness, tmp_path: Path) -> None:
+    """Every fault's arm in one run, beside the straight arms (one test: a run costs half a minute)."""
     arms = [f"[arms.{arm}]\n{table}" for arm, table in STRAIGHT.items()]
     for fault, (straight, _, _) in PLANTED.items():
         arms.append(f'[arms.{fault}]\n{STRAIGHT[straight]}resume_at = 2\ncheckpoint_fault = "{fault}"\n')
         arms.append(f'[[checks]]\nkind = "resume"\narms = ["{straight}", "{fault}"]\n')
-    folder = tmp_path_factory.mktemp("resume-faults")
-    (folder / "faults.toml").write_text(FAULTS + "".join(arms))
-    run = run_harness_once("run", folder / "faults.toml", "--out", folder / "run", timeout=600)
+    (tmp_path / "faults.toml").write_text(FAULTS + "".join(arms))
+    run = run_harness("run", tmp_path / "faults.toml", "--out", tmp_path / "run", timeout=600)
     assert run.returncode == 1, run.stdout + run.stderr
-    return {c["name"]: c for c in run.summary(folder / "run")["checks"]}
-
-
-@pytest.mark.parametrize("fault", PLANTED)
-def test_each_planted_checkpoint_bug_fails_naming_the_step_and_parameter(faults_run: dict, fault: str) -> None:
-    straight, step, where = PLANTED[fault]
-    assert faults_run[f"{straight} vs {fault}: resumed"]["status"] == "pass"  # it did load, and went wrong
-    loss = faults_run[f"{straight} vs {fault}: loss"]
-    assert loss["status"] == "fail" and loss["first_divergent_step"] == step, loss
-    assert where in loss["detail"], loss["detail"]
+    checks = {c["name"]: c for c in run.summary(tmp_path / "run")["checks"]}
+    seen, details = {}, {}
+    for fault, (straight, _, where) in PLANTED.items():
+        loaded, loss = checks[f"{straight} vs {fault}: resumed"], checks[f"{straight} vs {fault}: loss"]
+        seen[fault] = (loaded["status"], loss["status"], loss["first_divergent_step"], where in loss["detail"])
+        details[fault] = loss["detail"]
+    # Each loaded its checkpoint, and went wrong at its step, naming where.
+    assert seen == {fault: ("pass", "fail", step, True) for fault, (_, step, _) in PLANTED.items()}, details
 
 
 DAMAGED = """
