@@ -25,7 +25,7 @@ from harness.launching import Launched
 from harness.prepare import PreparedRun
 from harness.records import ArmRecords, RunRecords
 from harness.specs import CheckSpec, SuiteSpec
-from harness.triage import REGRESSION
+from harness.triage import BAD_INPUT, REGRESSION
 from harness.verdict import EXIT_PASS, apply_expectations, conclude, mark_not_evaluated, unrun_arms
 
 log = logging.getLogger("harness")
@@ -82,12 +82,15 @@ def _checks(run: PreparedRun, launched: Launched, records: RunRecords) -> list[C
 
 def launch_checks(launches: list[LaunchResult]) -> list[CheckResult]:
     """A failed launch group as a check: "rank k raised" (a regression) when its root cause raised
-    from the system under test, else an infrastructure error."""
+    from the system under test, "bad input" when it refused a checkpoint (its line names the file),
+    else an infrastructure error."""
     checks = []
     for r in launches:
         if r.ok:
             continue
-        if r.verdict is not None and r.verdict.kind == REGRESSION:
+        if r.verdict is not None and r.verdict.kind == BAD_INPUT:
+            checks.append(CheckResult(f"bad input: {r.group.name}", BAD_INPUT, "error", r.headline))
+        elif r.verdict is not None and r.verdict.kind == REGRESSION:
             root = r.root
             extra = {"traceback": root.traceback, "log": root.log, "error": r.error}
             checks.append(CheckResult(f"rank {root.rank} raised", "rank-raised", "fail", r.headline, extra=extra))

@@ -2,9 +2,10 @@
 
 Exit codes are the CI contract: 0 every check passed; 1 a check failed (a regression, a rank
 raising from the system under test included, see triage.py); 2 bad usage, suite or input
-(nothing was launched); 3 infrastructure (a rank killed or hung, a timeout, a launch failure, an
-error in the harness itself: a flake, or a crash to look at); 4 inconclusive (a throughput gate
-whose interval straddles its threshold: rerun with more blocks); 128 + N cancelled by signal N.
+(nothing was launched), or a checkpoint a resumed arm refused to load; 3 infrastructure (a rank
+killed or hung, a timeout, a launch failure, an error in the harness itself: a flake, or a crash
+to look at); 4 inconclusive (a throughput gate whose interval straddles its threshold: rerun with
+more blocks); 128 + N cancelled by signal N.
 Whatever happens after the run directory exists, summary.json, junit.xml and report.html are
 written (in that order), partial records stay on disk, and the harness's own log, with any
 traceback, is logs/harness.log.

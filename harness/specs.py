@@ -64,7 +64,9 @@ class CheckSpec:
 class DebugSpec:
     """Fault injection for the harness's own tests. ``fail_*``: a rank fails (off unless
     ``fail_step`` is set). ``slow_*``: in a throughput measurement every step of ``slow_arm``
-    sleeps ``slow_fraction`` of its own duration after it (a planted slowdown of that fraction)."""
+    sleeps ``slow_fraction`` of its own duration after it (a planted slowdown of that fraction).
+    ``checkpoint_damage``: every resumed arm's checkpoint is damaged between its two launches
+    (a shard missing or truncated, or a manifest of another config; harness.worker)."""
 
     fail_step: int | None = None
     fail_rank: int = 0
@@ -72,6 +74,7 @@ class DebugSpec:
     fail_arm: str | None = None
     slow_arm: str | None = None
     slow_fraction: float = 0.0
+    checkpoint_damage: str | None = None
 
 
 @dataclass(frozen=True)

@@ -35,6 +35,7 @@ from harness.subject.protocol import SuiteTables
 SUITES_DIR = shipped_dir("suites")
 MAX_RANKS = 8
 FAIL_MODES = ("raise", "hang", "exit", "kill", "stop")
+CHECKPOINT_DAMAGE = ("missing-shard", "truncated-shard", "other-config")
 # Names that become paths (suites, arms) or labels (checks) must be safe as both.
 NAME_PATTERN = re.compile(r"[a-z0-9][a-z0-9_-]*")
 CHECK_NAME_PATTERN = re.compile(r"[A-Za-z0-9][A-Za-z0-9 _.,:()+-]*")
@@ -445,4 +446,9 @@ class _Validator:
             fail_arm=arm,
             slow_arm=self.str_(table["slow_arm"], "debug.slow_arm", tuple(arms)) if "slow_arm" in table else None,
             slow_fraction=slow_fraction,
+            checkpoint_damage=(
+                self.str_(table["checkpoint_damage"], "debug.checkpoint_damage", CHECKPOINT_DAMAGE)
+                if "checkpoint_damage" in table
+                else None
+            ),
         )

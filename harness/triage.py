@@ -1,18 +1,21 @@
-"""A failed rank: regression or flake? The classification behind exit codes 1 and 3.
+"""A failed rank: regression, bad input or flake? The classification behind exit codes 1, 2 and 3.
 
 CI retries a flake (exit 3) and blocks on a regression (exit 1), so a crash must be told apart
-from infrastructure trouble. Only the root cause is judged: the rank that died first (the launchers
-order deaths as they happen). Its peers' errors ("Connection reset by peer") are consequences.
-The rules, in order:
+from infrastructure trouble; a checkpoint that must not be loaded is neither, but bad input (exit
+2), which no retry and no change to the code under test cures. Only the root cause is judged: the
+rank that died first (the launchers order deaths as they happen). Its peers' errors ("Connection
+reset by peer") are consequences. The rules, in order:
 
 1. It died by a signal (SIGKILL, SIGSEGV, SIGABRT, ...): infrastructure. A SIGKILL while the
    cgroup's OOM-kill counter rose is named an OOM kill.
-2. It raised, and its exception matches a flake pattern below: infrastructure.
-3. It raised, and the traceback passes through the system under test (its ``Subject.source``):
+2. It raised :class:`~harness.subject.protocol.CheckpointRefused` (a partial checkpoint, a
+   damaged one, one of another config): bad input, its one line the reason.
+3. It raised, and its exception matches a flake pattern below: infrastructure.
+4. It raised, and the traceback passes through the system under test (its ``Subject.source``):
    a regression, reported as the failed check "rank k raised" with the traceback. A shape error
    or an internal consistency assertion ("replay of batch 2 diverged") a change introduced fails
    the same way on every retry.
-4. Anything else (the harness's own code, an exit without a traceback): infrastructure.
+5. Anything else (the harness's own code, an exit without a traceback): infrastructure.
 
 The patterns are matched against the exception's last line only: every traceback through a
 collective has ``distributed_c10d.py`` among its frames, and that alone says nothing.
@@ -26,7 +29,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-REGRESSION, INFRASTRUCTURE = "regression", "infrastructure"
+from harness.subject.protocol import CheckpointRefused
+
+REGRESSION, INFRASTRUCTURE, BAD_INPUT = "regression", "infrastructure", "bad-input"
+# How a traceback's last line starts when the rank refused a checkpoint.
+REFUSED = f"{CheckpointRefused.__module__}.{CheckpointRefused.__qualname__}: "
 MEMORY_EVENTS = Path("/sys/fs/cgroup/memory.events")
 
 # (what it is, pattern on the exception line): failures that retrying may cure.
@@ -48,7 +55,8 @@ _FRAME = re.compile(r'^\s*File "([^"]+)", line \d+, in ', re.MULTILINE)
 
 @dataclass(frozen=True)
 class Verdict:
-    """How one rank failure counts: REGRESSION (exit 1) or INFRASTRUCTURE (exit 3), and why."""
+    """How one rank failure counts: REGRESSION (exit 1), BAD_INPUT (exit 2) or INFRASTRUCTURE (exit 3),
+    and why (for bad input, the refusal's own line)."""
 
     kind: str
     reason: str
@@ -83,6 +91,8 @@ def classify(
     if not traceback:
         return Verdict(INFRASTRUCTURE, f"exit code {exitcode} without a traceback")
     line = exception_line(traceback)
+    if line.startswith(REFUSED):
+        return Verdict(BAD_INPUT, line.removeprefix(REFUSED))
     for what, pattern in FLAKE_PATTERNS:
         if pattern.search(line):
             return Verdict(INFRASTRUCTURE, f"{what} error")

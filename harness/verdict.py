@@ -12,7 +12,11 @@ its own family cannot know.
   then ``xfail``, and everything else passes; an expected failure that passes, or never ran, fails
   the run, and so does any other failure, as pytest's strict xfail does.
 
-Exit codes (ARCHITECTURE §8): 0 pass, 1 a check failed, 3 an error, 4 inconclusive.
+* **Bad input.** A rank that refused its input (a checkpoint that must not be loaded: triage.py)
+  makes the run's verdict ``bad-input``, exit 2, whatever else its checks say: what ran after it
+  never ran, and fixing the input comes before judging anything.
+
+Exit codes (ARCHITECTURE §8): 0 pass, 1 a check failed, 2 bad input, 3 an error, 4 inconclusive.
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ from harness.cancel import Cancelled
 from harness.compare import CheckResult
 from harness.records import ArmRecords
 from harness.specs import SuiteSpec
+from harness.triage import BAD_INPUT
 
 if TYPE_CHECKING:  # the reports read verdicts too, without the launcher's imports
     from harness.launchers import LaunchGroup, LaunchResult
@@ -44,9 +49,12 @@ def is_not_evaluated(check: CheckResult) -> bool:
 
 
 def verdict_of(checks: list[CheckResult]) -> tuple[str, int]:
-    """The run's verdict and exit code, worst first: error (3), fail (1), inconclusive (4), then a
-    negative suite's failed-as-expected or pass (0). Checks not evaluated do not count."""
-    statuses = {c.status for c in checks if not is_not_evaluated(c)}
+    """The run's verdict and exit code, worst first: bad input (2), error (3), fail (1), inconclusive
+    (4), then a negative suite's failed-as-expected or pass (0). Checks not evaluated do not count."""
+    counted = [c for c in checks if not is_not_evaluated(c)]
+    statuses = {c.status for c in counted}
+    if any(c.kind == BAD_INPUT for c in counted):
+        return BAD_INPUT, EXIT_USAGE
     if "error" in statuses:
         return "error", EXIT_INFRA
     if "fail" in statuses:
@@ -79,8 +87,9 @@ def cancelled_check(cancelled: Cancelled, elapsed_s: float) -> CheckResult:
 def unrun_arms(
     suite: SuiteSpec, groups: list[LaunchGroup], launches: list[LaunchResult], records: dict[str, ArmRecords]
 ) -> dict[str, str]:
-    """Arm -> why it never ran: it recorded no step, and its launch group failed or never started
-    because an earlier one failed. Empty when every launch succeeded."""
+    """Arm -> why it never ran: it recorded no step (a resumed arm's second launch: it never loaded
+    its checkpoint), and its launch group failed or never started because an earlier one failed.
+    Empty when every launch succeeded."""
     failed = next((r for r in launches if not r.ok), None)
     if failed is None:
         return {}
@@ -91,9 +100,17 @@ def unrun_arms(
     for group in groups:
         ended = group.name == failed.group.name or group.name not in launched
         for arm in group.arms if ended else ():
-            if arm in records and not records[arm].steps_done():
+            if arm in records and not _trained(records[arm], group):
                 why[arm] = cause if group.name in launched else f"launch {group.name} never started: {cause}"
     return why
+
+
+def _trained(records: ArmRecords, group: LaunchGroup) -> bool:
+    """Whether the arm trained in ``group``: a step recorded, or in a resumed arm's second launch,
+    whose first launch recorded steps already, its checkpoint loaded (arm.json's ``resumed_from``)."""
+    if group.checkpoint == "load":
+        return records.info.get("resumed_from") is not None
+    return bool(records.steps_done())
 
 
 def mark_not_evaluated(checks: list[CheckResult], unrun: dict[str, str]) -> list[CheckResult]:

@@ -186,6 +186,26 @@ def _inject_fault(debug: DebugSpec, arm: str, step: int, rank: int) -> bool:
         time.sleep(1)
 
 
+def _damage_checkpoint(folder: Path, how: str, rank: int) -> None:
+    """The [debug] table's ``checkpoint_damage``, done by process rank 0 before a resumed arm's load,
+    then a barrier: a shard (torch.distributed.checkpoint's ``*.distcp``, the last by name) removed
+    or cut to half its size, or the manifest (the reference's ``harness.json``) made to record
+    another seed, as a checkpoint of another config would."""
+    if rank == 0:
+        print(f"[debug] damaging the checkpoint under {folder}: {how}", flush=True)
+        shard = sorted(folder.rglob("*.distcp"))[-1]
+        if how == "missing-shard":
+            shard.unlink()
+        elif how == "truncated-shard":
+            os.truncate(shard, shard.stat().st_size // 2)
+        else:
+            manifest = next(folder.rglob("harness.json"))
+            saved = json.loads(manifest.read_text())
+            saved["config"]["seed"] += 1
+            manifest.write_text(json.dumps(saved))
+    dist.barrier()
+
+
 def updates(arm: Arm, steps: range, before_step: Callable[[int], bool], drain: bool = True) -> Iterator[StepRecord]:
     """The arm's updates of ``steps``, then (``drain``) those a pipeline still had in flight; ends
     early, and undrained, where ``before_step`` returns False."""
@@ -301,18 +321,20 @@ def run_arm(
                 build["graph"] = arm.graph_build()
         if segment.checkpoint == "load":
             with phases.phase("load", arm=spec.name):
+                if debug.checkpoint_damage:
+                    _damage_checkpoint(files.checkpoint, debug.checkpoint_damage, rank)
                 _checkpointing(arm, spec).load_checkpoint(files.checkpoint, segment.first_step - 1)
         if rank == 0:
             isa = torch.backends.cpu.get_cpu_capability().lower()
             write_json_atomic(files.arm, {"train": spec.train, "cpu_capability": isa, "info": arm.info()})
             if arm.graph_export() is not None:
                 write_json_atomic(files.graph, arm.graph_export())
-        updates_done = 0
+        updates_done, last_update = 0, segment.first_step - 1
         with phases.phase("steps", arm=spec.name) as detail:
             planned = range(segment.first_step, last + 1)
             before = functools.partial(_inject_fault, debug, spec.name, rank=rank)
             for record in updates(arm, planned, before, drain=last == steps):
-                updates_done += 1
+                updates_done, last_update = updates_done + 1, record.step
                 detail["steps"] = updates_done
                 if metrics is not None:
                     metrics.write(record.to_json())
@@ -325,10 +347,10 @@ def run_arm(
                 _checkpointing(arm, spec).save_checkpoint(files.checkpoint, last)
             return
         with phases.phase("finish", arm=spec.name):
+            # The last update's own step: a pipeline's updates trail its batches, so a resumed
+            # launch of one makes more updates than it has steps.
             for logical_rank, parameters in arm.final_weights().items():
-                write_json_atomic(
-                    files.weights(logical_rank), final_weights(parameters, segment.first_step - 1 + updates_done)
-                )
+                write_json_atomic(files.weights(logical_rank), final_weights(parameters, last_update))
 
 
 def _peak_memory_reset(device: str) -> None:

@@ -5,6 +5,7 @@ run that never stopped, bit for bit."""
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 import tempfile
@@ -14,15 +15,24 @@ from pathlib import Path
 import pandas as pd
 import pytest
 import torch
+import torch.distributed.checkpoint as dcp
 from suite_files import suite_error, suite_from
 
 from harness.checks.resume import run as judge_resume
+from harness.compare import CheckResult
+from harness.launchers import plan_launches
 from harness.records import ArmRecords, read_jsonl
 from harness.reference import checkpoint
+from harness.reference.pec import PECConfig, PECTrainer
+from harness.reference.pipeline import PipelineConfig, VersionedTrainer
 from harness.reference.train import TrainConfig, Trainer
 from harness.specs import CheckSpec
+from harness.suites import load_suite
 
 CONFIG = TrainConfig(ep=2, chunking="eager", chunks=2)  # EP=2 as logical ranks of this process
+PIPELINE = PipelineConfig(ep=2, chunking="eager", chunks=2, delay=2, correction="always")
+# What a versioned trainer's record says of its update; its time and replay count aside.
+UPDATE_FIELDS = ("step", "loss", "grad_norm", "revision", "ages", "batches_applied", "forwards", "correction_mean")
 
 
 def _trainer(config: TrainConfig = CONFIG) -> Trainer:
@@ -49,6 +59,63 @@ def test_a_loaded_checkpoint_trains_on_bit_for_bit(tmp_path: Path) -> None:
     assert sorted(p.name for p in tmp_path.iterdir()) == ["step-3"]
 
 
+def _updates(trainer: VersionedTrainer, batches: range, drain: bool = False) -> list[dict]:
+    records = [r for r in map(trainer.step, batches) if r is not None] + (trainer.drain() if drain else [])
+    return [{k: r[k] for k in UPDATE_FIELDS} for r in records]
+
+
+def _versions_held(checkpoint_dir: Path) -> tuple[int, set[str]]:
+    """Logical rank 0's pending forwards and the versions of the snapshots the checkpoint holds."""
+    keys = dcp.FileSystemReader(checkpoint_dir).read_metadata().state_dict_metadata
+    forwards = {k.split(".")[3] for k in keys if k.startswith("rank0.in_flight.forward.")}
+    versions = {".".join(k.split(".")[3:5]) for k in keys if k.startswith("rank0.in_flight.snapshot.")}
+    return len(forwards), versions
+
+
+def test_a_loaded_versioned_pipeline_trains_on_bit_for_bit(tmp_path: Path) -> None:
+    """Delay 2, correction always, retain: saved while the pipeline fills (after tick 2: batches 1 and
+    2 in flight at one version, their own logprobs the correction's state), loaded, saved again in
+    steady state (after tick 4: batches 3 and 4 at two versions), loaded again. Each restored forward
+    has no graph and replays, though the arm retains: the replays are counted."""
+    expected = _updates(VersionedTrainer(PIPELINE), range(1, 6), drain=True)
+    first = VersionedTrainer(PIPELINE)
+    got = _updates(first, range(1, 3))
+    checkpoint.save(first, 2, tmp_path)
+    assert _versions_held(tmp_path / "step-2") == (2, {"0.0"})  # one snapshot for two forwards
+    second = VersionedTrainer(PIPELINE)
+    checkpoint.load(second, tmp_path, 2)
+    got += _updates(second, range(3, 5))
+    checkpoint.save(second, 4, tmp_path)
+    assert _versions_held(tmp_path / "step-4") == (2, {"0.0", "0.1"})
+    third = VersionedTrainer(PIPELINE)
+    checkpoint.load(third, tmp_path, 4)
+    got += _updates(third, range(5, 6), drain=True)
+    assert got == expected
+    assert [u["step"] for u in got] == [0, 1, 2, 3, 4]
+    assert third.engines[0].recomputes == 4  # batches 1 and 2 replayed after the first load, 3 and 4 after the second
+
+
+def test_a_loaded_pec_table_trains_on_bit_for_bit_with_its_pending_nol_part(tmp_path: Path) -> None:
+    config = PECConfig(ep=2)
+    straight = PECTrainer(config, batches=4)
+    expected = _losses(straight, range(1, 5))
+    first = PECTrainer(config, batches=4)
+    got = _losses(first, range(1, 3))
+    pending = {rank: table.gradients[(2, "NOL")] for rank, table in first.tables.items()}
+    assert {rank: sorted(table.gradients) for rank, table in first.tables.items()} == {0: [(2, "NOL")], 1: [(2, "NOL")]}
+    checkpoint.save(first, 2, tmp_path)
+    second = PECTrainer(config, batches=4)
+    checkpoint.load(second, tmp_path, 2)
+    for rank, table in second.tables.items():
+        restored = table.gradients[(2, "NOL")]
+        assert torch.equal(restored.ids, pending[rank].ids) and torch.equal(restored.grads, pending[rank].grads)
+    got += _losses(second, range(3, 5))
+    assert got == expected
+    for rank, table in second.tables.items():
+        assert torch.equal(table.weight, straight.tables[rank].weight)
+        assert torch.equal(table.optimizer.state, straight.tables[rank].optimizer.state)
+
+
 @pytest.fixture
 def saved(tmp_path: Path) -> Path:
     """A checkpoint after step 2 under tmp_path/ckpt."""
@@ -67,9 +134,12 @@ def _truncate(path: Path) -> None:
     [
         (
             lambda c: (c / "step-2" / "__0_0.distcp").unlink(),
-            r"step-2: cannot read its tensors: FileNotFoundError: .*__0_0\.distcp",
+            r"step-2/__0_0\.distcp: missing: the index reads \d+ bytes of tensors from it",
         ),
-        (lambda c: _truncate(c / "step-2" / "__0_0.distcp"), r"step-2: cannot read its tensors: \w+: "),
+        (
+            lambda c: _truncate(c / "step-2" / "__0_0.distcp"),
+            r"step-2/__0_0\.distcp: truncated: (\d+) bytes, the index reads (\d+)$",
+        ),
         (lambda c: (c / "step-2" / ".metadata").unlink(), r"step-2/\.metadata: missing: not a complete checkpoint"),
         (lambda c: (c / "step-2" / "harness.json").unlink(), r"step-2/harness\.json: missing: the save did not finish"),
         (
@@ -104,6 +174,7 @@ import torch.distributed.checkpoint as dcp
 from harness.reference import checkpoint
 from harness.reference.train import TrainConfig, Trainer
 from harness.specs import CheckSpec
+from harness.suites import load_suite
 
 folder, again = Path(sys.argv[1]), int(sys.argv[2])
 torch.manual_seed(0)
@@ -130,29 +201,65 @@ def test_a_save_killed_midway_leaves_the_previous_checkpoint_loadable(tmp_path: 
     assert _losses(resumed, range(2, 4)) == expected
 
 
-def test_the_suite_passes_resumed_and_resharded(run_harness, tmp_path: Path) -> None:
+RESUMED = {  # the suite's resumed arms and their straight arms
+    "resumed": "straight",
+    "resharded": "straight",
+    **{f"versioned-{arm}": "versioned" for arm in ("retain", "offload", "replay", "resharded")},
+    "pec-resumed": "pec",
+    "pec-resharded": "pec",
+}
+
+
+def _in_flight(out: Path, arm: str, rank: int) -> set[str]:
+    """Logical rank ``rank``'s in-flight keys in an arm's checkpoint of the suite's run."""
+    saved = out / "arms" / arm / "checkpoint" / "step-4"
+    prefix = f"rank{rank}.in_flight."
+    keys = dcp.FileSystemReader(saved).read_metadata().state_dict_metadata
+    return {k.removeprefix(prefix) for k in keys if k.startswith(prefix)}
+
+
+def test_the_suite_passes_every_case(run_harness, tmp_path: Path) -> None:
+    """One run of the shipped suite, read for every case (a run costs a minute on 2 cores)."""
     out = tmp_path / "run"
     run = run_harness("run", "resume", "--ranks", 2, "--out", out, timeout=600)
     assert run.returncode == 0, run.stdout + run.stderr
     checks = {c["name"]: c for c in run.summary(out)["checks"]}
-    for arm in ("resumed", "resharded"):
-        assert (
-            checks[f"straight vs {arm}: resumed"]["detail"]
-            == f"{arm} loaded its checkpoint of step 3 in a fresh launch"
-        )
-        assert checks[f"straight vs {arm}: loss"]["detail"] == "6 steps bitwise identical"
+    for arm, straight in RESUMED.items():
+        pair = f"{straight} vs {arm}"
+        assert checks[f"{pair}: resumed"]["detail"] == f"{arm} loaded its checkpoint of step 4 in a fresh launch"
+        assert checks[f"{pair}: loss"]["detail"] == "6 steps bitwise identical"
+        assert checks[f"{pair}, final weights"]["status"] == "pass"
         assert [m["step"] for m in read_jsonl(out / "arms" / arm / "metrics.jsonl")] == [1, 2, 3, 4, 5, 6]
-        saved = out / "arms" / arm / "checkpoint" / "step-3"
-        assert {".metadata", "harness.json"} <= {p.name for p in saved.iterdir()}
-    # Two launches of each resumed arm, the resharded one's second on one process.
-    logs = sorted(p.name for p in (out / "logs").iterdir() if p.is_dir())
-    assert logs == ["resharded@1-3", "resharded@4-", "resumed@1-3", "resumed@4-", "straight"], logs
-    assert sorted(p.name for p in (out / "logs" / "resharded@4-").glob("rank*.log")) == ["rank0.log"]
+    # The resumed arms share a saving launch, then load on 2 processes or, resharded, on one.
+    logs = {p.name for p in (out / "logs").iterdir() if p.is_dir()}
+    saving = "+".join(RESUMED) + "@1-4"
+    resharded = "+".join(arm for arm in RESUMED if arm.endswith("resharded")) + "@5-"
+    loading = "+".join(arm for arm in RESUMED if not arm.endswith("resharded")) + "@5-"
+    assert logs == {"straight+versioned+pec", saving, loading, resharded}, logs
+    assert sorted(p.name for p in (out / "logs" / resharded).glob("rank*.log")) == ["rank0.log"]
+    for rank in (0, 1):
+        # After tick 4 at delay 2, batches 3 and 4 wait for their backward, forwarded at revisions 0 and 1.
+        held = _in_flight(out, "versioned-retain", rank)
+        assert {k.split(".")[1] for k in held if k.startswith("forward.") and k.endswith(".batch")} == {"2", "3"}
+        assert {".".join(k.split(".")[1:3]) for k in held if k.startswith("snapshot.")} == {"0.0", "0.1"}
+        # Between batches 4 and 5 of a pipelined PEC table, batch 4's NOL part is pending.
+        pec = {"trainer", "events", "rowwise_state", "gradient.4.NOL.ids", "gradient.4.NOL.grads"}
+        assert _in_flight(out, "pec-resumed", rank) == pec
 
 
-MINI = """
-name = "mini-resume"
-description = "straight against resumed"
+def test_resumed_arms_that_stop_alike_share_their_launches() -> None:
+    groups = plan_launches(load_suite("resume", [("--ranks", "ranks=2")]))
+    assert [(g.ranks, g.first_step, g.last_step, g.checkpoint, len(g.arms)) for g in groups] == [
+        (2, 1, None, None, 3),
+        (2, 1, 4, "save", 8),
+        (2, 5, None, "load", 5),
+        (1, 5, None, "load", 3),
+    ]
+
+
+HEAD = """
+name = "{name}"
+description = "{description}"
 ranks = 2
 steps = 4
 [model]
@@ -161,6 +268,10 @@ config = "cpu-tiny"
 routing = "forced-balanced"
 chunking = "eager"
 chunks = 2
+"""
+MINI = (
+    HEAD.format(name="mini-resume", description="straight against resumed")
+    + """
 [arms.straight]
 [arms.resumed]
 resume_at = 2
@@ -168,27 +279,80 @@ resume_at = 2
 kind = "resume"
 arms = ["straight", "resumed"]
 """
+)
+
+
+FAULTS = HEAD.format(name="resume-faults", description="each planted checkpoint bug against the arm that never stopped")
+STRAIGHT = {"straight": "", "versioned": 'delay = 2\ncorrection = "always"\n', "pec": 'pec = "pipelined"\n'}
+# Each fault's arm (resumed after step 2): its straight arm, and where the resume check must find it.
+PLANTED = {
+    # The update of step 3 used fresh AdamW moments: its gradients equal, its weights do not.
+    "optimizer-not-saved": ("straight", 4, "step 3: gradients identical; first parameter to differ after the"),
+    "data-position-lost": ("straight", 3, "step 3: first gradient to differ is"),
+    # Saved while the pipeline fills (batches 1 and 2 in flight): the resumed pipeline applies batch 2 first.
+    "oldest-version-dropped": ("versioned", 1, "step 1: first gradient to differ is"),
+    # Batch 2's NOL rows are never updated; batch 3 reads none of them (NOL), batch 4 does.
+    "pending-nol-dropped": ("pec", 4, "step 4: first gradient to differ is"),
+}
+
+
+def test_each_planted_checkpoint_bug_fails_naming_the_step_and_parameter(run_harness, tmp_path: Path) -> None:
+    """Every fault's arm in one run, beside the straight arms (one test: a run costs half a minute)."""
+    arms = [f"[arms.{arm}]\n{table}" for arm, table in STRAIGHT.items()]
+    for fault, (straight, _, _) in PLANTED.items():
+        arms.append(f'[arms.{fault}]\n{STRAIGHT[straight]}resume_at = 2\ncheckpoint_fault = "{fault}"\n')
+        arms.append(f'[[checks]]\nkind = "resume"\narms = ["{straight}", "{fault}"]\n')
+    (tmp_path / "faults.toml").write_text(FAULTS + "".join(arms))
+    run = run_harness("run", tmp_path / "faults.toml", "--out", tmp_path / "run", timeout=600)
+    assert run.returncode == 1, run.stdout + run.stderr
+    checks = {c["name"]: c for c in run.summary(tmp_path / "run")["checks"]}
+    seen, details = {}, {}
+    for fault, (straight, _, where) in PLANTED.items():
+        loaded, loss = checks[f"{straight} vs {fault}: resumed"], checks[f"{straight} vs {fault}: loss"]
+        seen[fault] = (loaded["status"], loss["status"], loss["first_divergent_step"], where in loss["detail"])
+        details[fault] = loss["detail"]
+    # Each loaded its checkpoint, and went wrong at its step, naming where.
+    assert seen == {fault: ("pass", "fail", step, True) for fault, (_, step, _) in PLANTED.items()}, details
+
+
+DAMAGED = """
+name = "resume-damaged"
+description = "a resumed arm whose checkpoint is damaged between its two launches"
+ranks = 1
+steps = 2
+[model]
+config = "cpu-tiny"
+[train]
+local_batch = 1
+seq_len = 8
+[arms.resumed]
+resume_at = 1
+[[checks]]
+kind = "ranks-agree"
+"""
 
 
 @pytest.mark.parametrize(
-    ("fault", "step", "where"),
+    ("damage", "line"),
     [
-        ("optimizer-not-saved", 4, "step 3: gradients identical; first parameter to differ after the optimizer step"),
-        ("data-position-lost", 3, "step 3: first gradient to differ is"),
+        ("missing-shard", r"step-1/__0_0\.distcp: missing: the index reads \d+ bytes of tensors from it"),
+        ("truncated-shard", r"step-1/__0_0\.distcp: truncated: \d+ bytes, the index reads \d+"),
+        ("other-config", r"step-1/harness\.json: config\.seed: saved 43, this arm has 42"),
     ],
+    ids=["missing-shard", "truncated-shard", "other-config"],
 )
-def test_each_planted_checkpoint_bug_fails_naming_the_step_and_parameter(
-    run_harness, tmp_path: Path, fault: str, step: int, where: str
-) -> None:
-    suite = tmp_path / "mini.toml"
-    suite.write_text(MINI)
+def test_a_damaged_checkpoint_is_bad_input_naming_the_file(run_harness, tmp_path: Path, damage: str, line: str) -> None:
+    (tmp_path / "damaged.toml").write_text(DAMAGED)
     out = tmp_path / "run"
-    args = ("--set", f"train.checkpoint_fault={fault}", "--out", out)
-    run = run_harness("run", suite, *args, timeout=600)
-    assert run.returncode == 1, run.stdout + run.stderr
-    loss = {c["name"]: c for c in run.summary(out)["checks"]}["straight vs resumed: loss"]
-    assert loss["status"] == "fail" and loss["first_divergent_step"] == step, loss
-    assert where in loss["detail"], loss["detail"]
+    run = run_harness("run", tmp_path / "damaged.toml", "--set", f"debug.checkpoint_damage={damage}", "--out", out)
+    assert run.returncode == 2, run.stdout + run.stderr
+    summary = run.summary(out)
+    assert summary["verdict"] == "bad-input" and summary["launches"][-1]["root_cause"]["kind"] == "bad-input"
+    refused = next(c for c in summary["checks"] if c["kind"] == "bad-input")
+    where = re.escape(str(out / "arms" / "resumed" / "checkpoint")) + "/"
+    assert re.fullmatch(where + line, refused["detail"]), refused["detail"]
+    error = next(text for text in run.stderr.splitlines() if text.startswith("error: "))
+    assert error.endswith(refused["detail"]) and "refused its input" in error
 
 
 @pytest.mark.parametrize(
@@ -196,10 +360,18 @@ def test_each_planted_checkpoint_bug_fails_naming_the_step_and_parameter(
     [
         ("resume_at = 4", "FILE: arms.resumed.resume_at: expected int in 1-3, got 4"),
         ("resume_ranks = 1", "FILE: arms.resumed.resume_ranks: needs resume_at: only a resumed arm launches twice"),
-        ("resume_at = 2\ndelay = 1", "FILE: arms.resumed.resume_at: needs a plain arm: the checkpoint does not hold"),
+        (
+            'resume_at = 2\ndelay = 1\ntrainer = "delayed-oracle"',
+            'FILE: arms.resumed.resume_at: needs trainer = "versioned": the checkpoint does not hold the pending',
+        ),
+        (
+            'resume_at = 2\ndelay = 1\ncheckpoint_fault = "pending-nol-dropped"',
+            "FILE: arms.resumed.checkpoint_fault: checkpoint_fault must be one of ('none', 'optimizer-not-saved',"
+            " 'oldest-version-dropped') for this arm's trainer, got 'pending-nol-dropped'",
+        ),
         ("resume_at = 2\nresume_ranks = 3", "FILE: arms.resumed.resume_ranks: 3 processes do not divide EP degree 2"),
     ],
-    ids=["beyond-the-run", "ranks-alone", "versioned", "ranks-not-dividing"],
+    ids=["beyond-the-run", "ranks-alone", "delayed-oracle", "fault-of-another-trainer", "ranks-not-dividing"],
 )
 def test_a_bad_resume_is_refused_naming_the_field(tmp_path: Path, resume: str, expected: str) -> None:
     message = suite_error(tmp_path, MINI.replace("resume_at = 2", resume))
@@ -223,8 +395,8 @@ def test_a_checkpoint_others_could_write_is_not_read(saved: Path) -> None:
         checkpoint.load(_trainer(), saved, 2)
 
 
-def _judged(resumed_info: dict, straight_losses: list[float], resumed_losses: list[float]) -> dict[str, str]:
-    """The resume check on synthetic records of MINI's two arms: name -> status."""
+def _results(resumed_info: dict, straight_losses: list[float], resumed_losses: list[float]) -> dict[str, CheckResult]:
+    """The resume check on synthetic records of MINI's two arms: name -> result."""
 
     def metrics(losses: list[float]) -> pd.DataFrame:
         steps = pd.Index(range(1, len(losses) + 1), name="step")
@@ -237,7 +409,12 @@ def _judged(resumed_info: dict, straight_losses: list[float], resumed_losses: li
         "resumed": ArmRecords(metrics=metrics(resumed_losses), info=resumed_info),
     }
     check = CheckSpec("resume", "straight vs resumed", ("straight", "resumed"), ("loss", "grad_norm"))
-    return {r.name: r.status for r in judge_resume(check, suite, records)}
+    return {r.name: r for r in judge_resume(check, suite, records)}
+
+
+def _judged(resumed_info: dict, straight_losses: list[float], resumed_losses: list[float]) -> dict[str, str]:
+    """The resume check on synthetic records of MINI's two arms: name -> status."""
+    return {name: r.status for name, r in _results(resumed_info, straight_losses, resumed_losses).items()}
 
 
 def test_the_resume_check_fails_an_arm_that_never_loaded_even_with_equal_numbers() -> None:
@@ -250,3 +427,13 @@ def test_the_resume_check_fails_on_no_steps_and_on_a_differing_step() -> None:
     assert _judged({"resumed_from": 2}, [5.0] * 4, [5.0] * 4)["straight vs resumed: loss"] == "pass"
     assert _judged({"resumed_from": 2}, [5.0] * 4, [5.0, 5.0, 5.1, 5.0])["straight vs resumed: loss"] == "fail"
     assert _judged({"resumed_from": 2}, [], [])["straight vs resumed: loss"] == "fail"
+
+
+def test_the_resume_check_names_a_differing_value_before_the_steps_a_short_arm_lacks() -> None:
+    """A pipeline whose checkpoint lost a pending forward makes one update fewer: it ends short, but
+    the news is its first update that differs."""
+    loss = _results({"resumed_from": 2}, [5.0] * 4, [5.0, 5.1, 5.0])["straight vs resumed: loss"]
+    assert loss.status == "fail" and loss.first_divergent_step == 2, loss
+    assert loss.detail.startswith("first divergence at step 2: ") and "stops at step 3 of 4" in loss.detail
+    short = _results({"resumed_from": 2}, [5.0] * 4, [5.0] * 3)["straight vs resumed: loss"]
+    assert short.status == "fail" and short.first_divergent_step == 4, short

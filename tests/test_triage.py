@@ -7,7 +7,7 @@ import signal
 import pytest
 
 from harness.subject import load_subject
-from harness.triage import INFRASTRUCTURE, REGRESSION, classify, exception_line
+from harness.triage import BAD_INPUT, INFRASTRUCTURE, REFUSED, REGRESSION, Verdict, classify, exception_line
 
 WORKER = "/work/harness/harness/worker.py"
 SOURCE = load_subject("reference").source
@@ -72,3 +72,10 @@ def test_the_system_under_test_is_the_code_its_subject_names() -> None:
     text = _traceback(WORKER, str(SUBJECT_DIR / "model.py"), last="RuntimeError: shapes cannot be multiplied")
     assert classify(1, text, subject_source=SOURCE).kind == REGRESSION
     assert classify(1, text, subject_source=("/work/examples/tiny_dp.py",)).kind == INFRASTRUCTURE
+
+
+def test_a_refused_checkpoint_is_bad_input_its_line_the_reason() -> None:
+    """Even with "timed out" in its line, which would otherwise be a flake."""
+    line = "/runs/r/arms/a/checkpoint/step-3/__1_0.distcp: missing: the index reads 9 bytes (timed out)"
+    text = _traceback(WORKER, str(SUBJECT_DIR.parent / "subject" / "reference" / "arm.py"), last=REFUSED + line)
+    assert classify(1, text, subject_source=SOURCE) == Verdict(BAD_INPUT, line)

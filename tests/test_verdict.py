@@ -15,9 +15,11 @@ from harness.records import ArmRecords, read_metrics_records
 from harness.report import format_verdict_table
 from harness.report.checks import status_counts
 from harness.suites import SuiteError
+from harness.triage import BAD_INPUT
 from harness.verdict import (
     EXIT_FAIL,
     EXIT_PASS,
+    EXIT_USAGE,
     apply_expectations,
     mark_not_evaluated,
     unrun_arms,
@@ -135,6 +137,19 @@ def test_checks_of_arms_a_failed_launch_never_ran_are_not_evaluated(tmp_path: Pa
     assert verdict_of(marked) == ("pass", 0) != verdict_of([*marked, _check("x", "error")])
     counts = status_counts([c.to_dict() for c in [raised, *marked]])
     assert (counts["fail"], counts["error"], counts["not_evaluated"]) == (1, 2, 2)
+
+
+def test_a_refused_checkpoint_is_bad_input_and_its_arm_never_ran(tmp_path: Path) -> None:
+    """A resumed arm recorded steps in its first launch; its second refused the checkpoint before
+    training: its checks are not evaluated, and bad input decides the verdict over their failures."""
+    loading = LaunchGroup("r@3-", 1, ("a",), "logs/r@3-", first_step=3, checkpoint="load")
+    suite = suite_from(tmp_path, NEGATIVE.format(failures='["exact"]'))
+    unrun = unrun_arms(suite, [loading], [_failed(loading)], {"a": _records(2), "b": _records(4)})
+    assert unrun == {"a": "launch r@3- failed (root cause: rank 1)"}
+    loaded = ArmRecords(metrics=_records(2).metrics, info={"resumed_from": 2})  # it loaded, then failed
+    assert unrun_arms(suite, [loading], [_failed(loading)], {"a": loaded, "b": _records(4)}) == {}
+    refused = CheckResult("bad input: r@3-", BAD_INPUT, "error", "step-2/__0_0.distcp: missing: ...")
+    assert verdict_of([refused, _check("a vs b", "fail", ("a", "b"))]) == (BAD_INPUT, EXIT_USAGE)
 
 
 def test_every_launch_ok_leaves_every_check_evaluated(tmp_path: Path) -> None:

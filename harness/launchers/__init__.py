@@ -30,9 +30,9 @@ SHUTDOWN_GRACE_S = 3
 class LaunchGroup:
     """Arms sharing a process count: they run in one launch, one after another. A throughput
     run's group instead times the block positions in ``measurements`` (harness/throughput.py).
-    A resumed arm's two launches are groups of their own: ``first_step`` to ``last_step`` (None:
-    the suite's last), the first ending with a save (``checkpoint = "save"``), the second starting
-    with a load (``"load"``)."""
+    A resumed arm's two launches are groups apart from the straight arms' (shared with resumed arms
+    that stop and resume alike): ``first_step`` to ``last_step`` (None: the suite's last), the
+    first ending with a save (``checkpoint = "save"``), the second starting with a load (``"load"``)."""
 
     name: str
     ranks: int
@@ -52,32 +52,30 @@ class LaunchGroup:
 
 
 def plan_launches(suite: SuiteSpec) -> list[LaunchGroup]:
-    """Groups arms by process count, keeping the suite's arm order; then each resumed arm's two
-    launches, the save and the load."""
+    """Groups arms by process count, keeping the suite's arm order; then the resumed arms' saving
+    launches, then their loading ones. Resumed arms that save on the same process count after the
+    same step share their saving launch, and so for loading: their arms run in turn in it, as in
+    any group, and a launch's start-up (seconds) is paid once."""
     by_ranks: dict[int, list[str]] = {}
-    resumed = [arm for arm in suite.arms.values() if arm.resume_at is not None]
+    saving: dict[tuple[int, int], list[str]] = {}
+    loading: dict[tuple[int, int], list[str]] = {}
     for arm in suite.arms.values():
         if arm.resume_at is None:
             by_ranks.setdefault(arm.ranks, []).append(arm.name)
-    single = len(by_ranks) == 1 and not resumed
+        else:
+            saving.setdefault((arm.ranks, arm.resume_at), []).append(arm.name)
+            loading.setdefault((arm.resume_ranks or arm.ranks, arm.resume_at), []).append(arm.name)
+    single = len(by_ranks) == 1 and not saving
     groups = [
         LaunchGroup("+".join(arms), ranks, tuple(arms), LOGS_DIR if single else f"{LOGS_DIR}/{'+'.join(arms)}")
         for ranks, arms in by_ranks.items()
     ]
-    for arm in resumed:
-        saving, loading = f"{arm.name}@1-{arm.resume_at}", f"{arm.name}@{arm.resume_at + 1}-"
-        saves = LaunchGroup(
-            saving, arm.ranks, (arm.name,), f"{LOGS_DIR}/{saving}", last_step=arm.resume_at, checkpoint="save"
-        )
-        loads = LaunchGroup(
-            loading,
-            arm.resume_ranks or arm.ranks,
-            (arm.name,),
-            f"{LOGS_DIR}/{loading}",
-            first_step=arm.resume_at + 1,
-            checkpoint="load",
-        )
-        groups += [saves, loads]
+    for (ranks, at), arms in saving.items():
+        name = f"{'+'.join(arms)}@1-{at}"
+        groups.append(LaunchGroup(name, ranks, tuple(arms), f"{LOGS_DIR}/{name}", last_step=at, checkpoint="save"))
+    for (ranks, at), arms in loading.items():
+        name = f"{'+'.join(arms)}@{at + 1}-"
+        groups.append(LaunchGroup(name, ranks, tuple(arms), f"{LOGS_DIR}/{name}", first_step=at + 1, checkpoint="load"))
     return groups
 
 

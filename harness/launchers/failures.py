@@ -20,7 +20,7 @@ from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
 
 from harness.launchers import LaunchContext, LaunchGroup, LaunchResult, RankFailure
 from harness.launchers.deadline import StackDumps
-from harness.triage import INFRASTRUCTURE, Verdict, classify, exception_line
+from harness.triage import BAD_INPUT, INFRASTRUCTURE, Verdict, classify, exception_line
 from harness.worker import release_error_room
 
 FULL_DISK = "No space left on device on the run directory's disk"
@@ -110,7 +110,11 @@ def judge_failure(
 
 
 def _explain_root_cause(result: LaunchResult, root: RankFailure) -> tuple[str, str]:
-    """(one line, full text): the root cause with its traceback, then its peers' endings as consequences."""
+    """(one line, full text): the root cause with its traceback, then its peers' endings as consequences;
+    for bad input, the refusal's own line, which names the file and what is wrong with it."""
+    if result.verdict.kind == BAD_INPUT:
+        refusal, group = result.verdict.reason, result.group.name
+        return refusal, f"rank {root.rank} of group '{group}' refused its input (log: {root.log}): {refusal}"
     how = result.verdict.reason if root.exitcode < 0 else f"{_ending(root.exitcode)}, {result.verdict.reason}"
     cause = root.message.strip().splitlines()[-1]
     headline = f"rank {root.rank} failed first ({how}): {cause}"

@@ -6,15 +6,32 @@ into any process layout of the same EP degree (EP=2 on 2 processes saves, EP=2 o
 and the reverse: each process writes and reads its own logical ranks' keys):
 
 - ``rank<r>.model.<name>``: every parameter and buffer of logical rank ``r``'s model, its expert
-  shard included (the correction biases are buffers);
+  shard included (the correction biases are buffers; a PEC arm's table shard is a parameter);
 - ``rank<r>.optim.<name>.<step|exp_avg|exp_avg_sq>``: its AdamW state, per parameter by name;
+- ``rank<r>.in_flight.<name>``: the work a pipelined trainer holds between steps
+  (``Trainer.in_flight_state``; none for plain training, which finishes each batch in its step):
+
+  - a versioned arm (:class:`~harness.reference.pipeline.VersionedTrainer`): ``trainer`` (tick,
+    update and record counters), ``version`` (generation, revision), ``counters`` (forward
+    sequence, forwards, replays), ``logprobs_now.<batch>`` (the correction's current logprobs),
+    per pending forward ``forward.<seq>.<batch|version|inputs|labels|loss|logprobs|rng>``, and each
+    version's snapshot once, ``snapshot.<generation>.<revision>.<name>``, however many pending
+    forwards share it. A graph is not a tensor: a restored forward replays on its snapshot with its
+    RNG state, under every retention, and the replay checks the saved loss bit for bit
+    (:meth:`~harness.reference.versioned.VersionedModel.load_state`);
+  - a PEC arm (:class:`~harness.reference.pec.PECTrainer`): ``trainer`` (batches done), ``events``
+    (the event counter), ``rowwise_state`` (the row-wise optimizer's) and each gradient part backward
+    handed over and nobody applied yet, ``gradient.<batch>.<OL|NOL>.<ids|grads>`` (pipelined,
+    between batches: the last batch's NOL part);
+
+  their count and shapes vary, so a load sizes them from the checkpoint's index;
 - ``rng.torch``: the CPU generator's state (process rank 0's), though the reference draws nothing
   from it while training: its batches are functions of (seed, step, rank), so the data position is
   the step, which the manifest records.
 
 Layout under a checkpoint folder::
 
-    step-<k>/                   a complete checkpoint, after update k
+    step-<k>/                   a complete checkpoint, after the arm's step k
         .metadata               torch.distributed.checkpoint's index of every tensor
         __<p>_0.distcp          process p's tensors
         harness.json            the step, the arm's config, the EP degree and the key count
@@ -27,10 +44,17 @@ a ``.partial`` folder and the previous checkpoint as it was. Only tensors are st
 checkpoint is read only where nobody else could have written it: every file and folder of it owned
 by this user and writable by no one else (the run's own folder), or it is refused.
 
-**A partial checkpoint never loads.** :func:`load` checks ``harness.json`` against the arm's config
-and the saved keys against the trainer's before reading a byte of tensor data, and reads through
-torch.distributed.checkpoint, which fails on a missing or truncated shard: each is a
-:class:`CheckpointError` naming the file and what is missing.
+**A partial checkpoint never loads.** :func:`load` checks, before reading a byte of tensor data,
+``harness.json`` against the arm's config, every shard file the index reads from (there, and as
+long as the index reads), and the saved keys against the trainer's; then it reads through
+torch.distributed.checkpoint, which fails on whatever else is wrong with a shard. Each is a
+:class:`CheckpointError` naming the file and what is missing. An in-flight tensor the trainer
+needs and the index lacks is refused the same way, naming its key.
+
+**Planted faults** (``TrainConfig.checkpoint_fault``, for the harness's ``resume`` suite): the
+AdamW state left out (:func:`state`), the data position lost (:func:`load`), a versioned arm's
+oldest pending forward left out, a PEC arm's pending NOL part left out (their trainers'
+``in_flight_state``). Each checkpoint still loads; only the numbers after it show the loss.
 """
 
 from __future__ import annotations
@@ -41,8 +65,9 @@ import json
 import os
 import shutil
 import warnings
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -55,6 +80,7 @@ FORMAT = 1
 MANIFEST = "harness.json"
 PARTIAL = ".partial"
 ADAM_STATE = ("step", "exp_avg", "exp_avg_sq")
+IN_FLIGHT = "in_flight"  # the namespace of a pipelined trainer's work between steps, per logical rank
 
 
 class CheckpointError(Exception):
@@ -86,6 +112,28 @@ def state(trainer: Trainer) -> dict[str, torch.Tensor]:
     return tensors
 
 
+def in_flight(trainer: Trainer) -> dict[str, torch.Tensor]:
+    """This process's ``rank<r>.in_flight.<name>`` keys: the work a pipelined trainer holds between
+    steps (``Trainer.in_flight_state``), whose count and shapes vary: a load sizes them from the
+    checkpoint's index."""
+    return {
+        f"rank{rank}.{IN_FLIGHT}.{name}": tensor
+        for rank, held in trainer.in_flight_state().items()
+        for name, tensor in held.items()
+    }
+
+
+class _Held(dict):
+    """One logical rank's in-flight tensors as loaded: a name the checkpoint lacks is refused, naming it."""
+
+    def __init__(self, index: Path, prefix: str) -> None:
+        super().__init__()
+        self.index, self.prefix = index, prefix
+
+    def __missing__(self, name: str) -> torch.Tensor:
+        raise CheckpointError(f"{self.index}: no tensor {self.prefix}{name}")
+
+
 def _fingerprint(trainer: Trainer) -> dict:
     """What a checkpoint must match to load: the arm's config but its process layout."""
     return dataclasses.asdict(trainer.config)
@@ -100,7 +148,7 @@ def save(trainer: Trainer, step: int, folder: Path) -> Path:
         shutil.rmtree(partial, ignore_errors=True)  # a save killed earlier
         partial.mkdir(parents=True)
     _barrier(trainer)
-    tensors = state(trainer)
+    tensors = state(trainer) | in_flight(trainer)
     with _one_process_quietly():
         dcp.save(tensors, storage_writer=dcp.FileSystemWriter(partial), no_dist=not trainer.group.distributed)
     keys = _count(trainer, len(tensors) - (1 if first else 0))
@@ -140,19 +188,27 @@ def load(trainer: Trainer, folder: Path, step: int) -> int:
         tensors["rng.torch"] = torch.get_rng_state()  # every process takes process rank 0's stream
     reader = dcp.FileSystemReader(checkpoint)
     try:
-        stored = reader.read_metadata().state_dict_metadata
+        index = reader.read_metadata()
     except FileNotFoundError:
         raise CheckpointError(f"{checkpoint / '.metadata'}: missing: not a complete checkpoint") from None
+    _whole_shards(checkpoint, index.storage_data.values())
+    stored = index.state_dict_metadata
     missing = sorted(set(tensors) - set(stored))
     if missing:
         more = f" and {len(missing) - 1} more" if len(missing) > 1 else ""
         raise CheckpointError(f"{checkpoint / '.metadata'}: no tensor {missing[0]}{more}")
+    held = {rank: _Held(checkpoint / ".metadata", f"rank{rank}.{IN_FLIGHT}.") for rank in trainer.replicas}
+    for key, meta in stored.items():  # sized from the index: their count and shapes vary
+        for ours in held.values():
+            if key.startswith(ours.prefix):
+                ours[key.removeprefix(ours.prefix)] = tensors[key] = torch.empty(meta.size, dtype=meta.properties.dtype)
     try:
         with _one_process_quietly():
             dcp.load(tensors, storage_reader=reader, no_dist=not trainer.group.distributed)
     except CheckpointException as e:  # a short or missing shard, in torch's words, per process
         failures = [exc for exc, _ in e.failures.values()]
         raise CheckpointError(f"{checkpoint}: cannot read its tensors: {_first_line(failures[0])}") from None
+    trainer.load_in_flight(held)
     torch.set_rng_state(tensors["rng.torch"])
     return 0 if trainer.config.checkpoint_fault == "data-position-lost" else manifest["step"]
 
@@ -166,6 +222,22 @@ def _own(checkpoint: Path) -> None:
                 f"{path}: owned by uid {info.st_uid}, mode {info.st_mode & 0o777:o}: another user could have"
                 " written it, and its index is unpickled when read: not loaded"
             )
+
+
+def _whole_shards(checkpoint: Path, extents: Iterable[Any]) -> None:
+    """Every shard file the index reads from, there and as long as the index reads: checked on every
+    process before any reads, so a missing or short shard is refused alike everywhere, naming it
+    (torch would say only that some read failed). ``extents``: the index's storage records, each a
+    shard's ``relative_path`` and the ``offset`` and ``length`` of one tensor's bytes in it."""
+    needed: dict[str, int] = {}
+    for extent in extents:
+        needed[extent.relative_path] = max(needed.get(extent.relative_path, 0), extent.offset + extent.length)
+    for name, size in sorted(needed.items()):
+        shard = checkpoint / name
+        if not shard.is_file():
+            raise CheckpointError(f"{shard}: missing: the index reads {size} bytes of tensors from it")
+        if shard.stat().st_size < size:
+            raise CheckpointError(f"{shard}: truncated: {shard.stat().st_size} bytes, the index reads {size}")
 
 
 def _manifest(checkpoint: Path) -> dict:

@@ -46,6 +46,11 @@ every trainer shares this code, so only an independent implementation sees them)
 adding it; ``sum-one-source`` keeps, per id, one source rank's gradient row instead of the sum over
 source ranks.
 
+**Checkpoint** (:meth:`PECTrainer.in_flight_state`): between batches, the row-wise optimizer's
+state and every gradient part not yet applied (pipelined: the last batch's NOL part, not yet
+started). A loaded trainer starts and applies only what it holds: the pipeline's filling rule skips
+the batches before the oldest of them.
+
 **Batches** (:class:`PECBatches`): batch N draws each logical rank's tokens uniformly from a pool of
 ids common to the EP group. Pool N+1 keeps ``round(pec_overlap * size)`` ids of pool N and draws
 the rest from the ids outside it, so ``pec_overlap`` is the fraction of batch N+1's candidate ids
@@ -86,6 +91,10 @@ class PECConfig(TrainConfig):
     pec_optimizer: str = "rowwise-adagrad"  # the table's fused row-wise optimizer, at learning rate lr
     pec_overlap: float = 0.5  # the fraction of batch N+1's candidate ids drawn from batch N's
     pec_fault: str = "none"  # a planted pipeline bug (PEC_FAULTS), for the harness's negative tests
+
+    def checkpoint_faults(self) -> tuple[str, ...]:
+        """The AdamW state left out, or the pending NOL gradient part (PECTrainer.in_flight_state)."""
+        return ("optimizer-not-saved", "pending-nol-dropped")
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -155,7 +164,8 @@ class PECEvents:
     """One logical rank's PEC event stream: numbers its events and hands them to the sink."""
 
     def __init__(self, rank: int, sink: PECSink | None) -> None:
-        self.rank, self._sink, self._seq = rank, sink, 0
+        self.rank, self._sink = rank, sink
+        self.seq = 0  # the next event's number (a checkpoint keeps it, so a resumed stream goes on)
         self.call = 0  # the pipeline progress call (batch number) running on this rank
 
     def emit(
@@ -165,7 +175,7 @@ class PECEvents:
         ``module`` names the table of a start or apply: an oracle's own table shares this stream."""
         listed = [] if ids is None else ids.tolist()
         event = {
-            "seq": self._seq,
+            "seq": self.seq,
             "call": self.call,
             "op": op,
             "batch": batch,
@@ -175,7 +185,7 @@ class PECEvents:
             "ids": listed,
             "in_autograd": torch._C._current_graph_task_id() != -1,
         }
-        self._seq += 1
+        self.seq += 1
         if self._sink is not None:
             self._sink(self.rank, event)
 
@@ -315,6 +325,11 @@ class PECGradientApply:
         self.table, self.batch, self.part, self.ids, self.grads = table, batch, part, ids, grads
         self._in_flight: tuple[torch.Tensor, list[int], torch.Tensor, list[PendingExchange]] | None = None
 
+    @property
+    def started(self) -> bool:
+        """Whether :meth:`dist` started its all-to-all (and its rows are on their way)."""
+        return self._in_flight is not None
+
     def dist(self) -> None:
         """Start the asynchronous all-to-all of the gradient rows to their owners; idempotent."""
         if self._in_flight is not None:
@@ -405,6 +420,7 @@ class PECTrainer(Trainer):
         self.drains = config.pec != "sequential" and config.pec_fault != "no-drain"
         self.data = {r: PECBatches(config, self.cfg.vocab_size, r) for r in self.logical_ranks}
         self._done = 0  # batches trained
+        self._first_batch = 1  # the oldest batch whose table gradient this trainer holds or will hold
         self._known_ids: dict[int, dict[int, torch.Tensor]] = {r: {} for r in self.logical_ranks}
 
     def _prepare_model(self, rank: int, model: DeepseekV3ForCausalLM) -> None:
@@ -451,13 +467,53 @@ class PECTrainer(Trainer):
     def _act(self, rank: int, step: int, point: str) -> None:
         table = self.tables[rank]
         for op, part, lag in self.actions[point]:
-            if step - lag < 1:
-                continue  # no such batch yet: the pipeline is filling
+            if step - lag < self._first_batch:
+                continue  # no such batch yet (the pipeline is filling), or none that a loaded checkpoint held
             gradient = table.take(step - lag, part)
             if op == "start":
                 gradient.dist()
             else:
                 gradient.apply()
+
+    def in_flight_state(self) -> dict[int, dict[str, torch.Tensor]]:
+        """Per logical rank, between two batches: the row-wise optimizer's state (the table's rows are
+        a model parameter), each gradient part that backward handed over and nobody applied yet
+        (pipelined: the last batch's NOL part, not yet started), the event and batch counters. The
+        planted fault ``pending-nol-dropped`` leaves the pending NOL parts out."""
+        state = {}
+        for rank, table in self.tables.items():
+            tensors = {
+                "trainer": torch.tensor(self._done),
+                "events": torch.tensor(table.events.seq),
+                "rowwise_state": table.optimizer.state,
+            }
+            for (batch, part), gradient in table.gradients.items():
+                if gradient.started:
+                    raise RuntimeError(f"the {part} gradient of batch {batch} is in flight: no checkpoint mid-exchange")
+                if part == "NOL" and self.config.checkpoint_fault == "pending-nol-dropped":
+                    continue
+                tensors[f"gradient.{batch}.{part}.ids"] = gradient.ids
+                tensors[f"gradient.{batch}.{part}.grads"] = gradient.grads
+            state[rank] = tensors
+        return state
+
+    def load_in_flight(self, state: dict[int, dict[str, torch.Tensor]]) -> None:
+        """Restores what :meth:`in_flight_state` saved. The pipeline goes on with exactly the gradients
+        the checkpoint holds: a batch before the oldest of them has nothing left to start or apply
+        (the filling rule of :meth:`_act`), so a gradient the save left out is silently lost, as a
+        real checkpoint bug would lose it, and only the numbers show it."""
+        for rank, tensors in state.items():
+            table = self.tables[rank]
+            table.optimizer.state.copy_(tensors["rowwise_state"])
+            table.events.seq = int(tensors["events"])
+            table.gradients = {}
+            for key in sorted(k for k in tensors if k.startswith("gradient.") and k.endswith(".ids")):
+                _, batch, part, _ = key.split(".")
+                ids, grads = (tensors[f"gradient.{batch}.{part}.{t}"].to(self.device) for t in ("ids", "grads"))
+                table.gradients[(int(batch), part)] = PECGradientApply(table, int(batch), part, ids, grads)
+        self._done = int(state[self.logical_ranks[0]]["trainer"])
+        held = [batch for table in self.tables.values() for batch, _ in table.gradients]
+        self._first_batch = min(held, default=self._done + 1)
 
     def _group_ids(self, rank: int, batch: int) -> torch.Tensor:
         """The distinct ids of the EP group's batch ``batch`` (none before batch 1), gathered once from

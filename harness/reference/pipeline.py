@@ -10,6 +10,10 @@ pipeline fills) and applied at revision ``b``, so its age is ``min(b, delay)``. 
 delay for every batch but the first ``delay``, whose forwards ran while the pipeline filled; the
 batches applied by the drain have the full age.
 
+Between two ticks the pending forwards are the pipeline's whole state beyond the weights and AdamW:
+:meth:`VersionedTrainer.in_flight_state` hands them to a checkpoint, ``load_in_flight`` takes them
+back, and the pipeline goes on as if it had not stopped.
+
 The trainer reuses :class:`~harness.reference.train.Trainer` for everything that is not about
 versions: logical EP ranks in threads or processes, the canonical (logical-rank order) dense
 gradient sum, global-norm clipping and AdamW. Every reduction added here is also an all-gather
@@ -55,6 +59,10 @@ class PipelineConfig(TrainConfig):
     trainer: str = "versioned"
     # A planted bug for the harness's negative test: this batch's gradient is applied twice.
     apply_twice_batch: int | None = None
+
+    def checkpoint_faults(self) -> tuple[str, ...]:
+        """The AdamW state left out, or the oldest forward still pending (VersionedTrainer.in_flight_state)."""
+        return ("optimizer-not-saved", "oldest-version-dropped")
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -137,6 +145,25 @@ class VersionedTrainer(Trainer):
             if record is not None:
                 yield record
         yield from self.drain()
+
+    def in_flight_state(self) -> dict[int, dict[str, torch.Tensor]]:
+        """Per logical rank, between two ticks: its version protocol with the forwards still pending
+        (VersionedModel.state), and the tick, update and record counters. The planted fault
+        ``oldest-version-dropped`` leaves the oldest pending forward out."""
+        counters = torch.tensor([self._ticks, self._updates, *self._counted])
+        state = {}
+        for rank, pending in self._pending.items():
+            records = list(pending)[1:] if self.config.checkpoint_fault == "oldest-version-dropped" else list(pending)
+            state[rank] = {"trainer": counters, **self.engines[rank].state(records)}
+        return state
+
+    def load_in_flight(self, state: dict[int, dict[str, torch.Tensor]]) -> None:
+        """Restores what :meth:`in_flight_state` saved: the pipeline goes on with the forwards it holds,
+        whose backwards replay them (VersionedModel.load_state)."""
+        for rank, tensors in state.items():
+            self._pending[rank] = deque(self.engines[rank].load_state(tensors, self.device))
+        ticks, updates, *counted = state[self.logical_ranks[0]]["trainer"].tolist()
+        self._ticks, self._updates, self._counted = ticks, updates, tuple(counted)
 
     def _tick(self, batch: int | None) -> dict | None:
         start = time.perf_counter()

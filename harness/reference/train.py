@@ -62,7 +62,6 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 # master weights, optimizer state, gradients (and their reduction), loss and grad norm; the forward
 # under bf16 autocast, the router in fp32, tokens exchanged in bf16.
 PRECISIONS = ("pure", "bf16-mixed")
-CHECKPOINT_FAULTS = ("optimizer-not-saved", "data-position-lost")
 
 
 @dataclass(frozen=True)
@@ -92,8 +91,8 @@ class TrainConfig:
     # scaling factor applied twice, which only an oracle sees: every arm would apply it twice).
     fault: str = "none"
     compile_attention: bool = False  # regional Inductor: only the attention modules are compiled
-    # A planted bug of the checkpoint (harness.reference.checkpoint) for a resumed arm: the AdamW
-    # state left out, or the data position lost (CHECKPOINT_FAULTS).
+    # A planted bug of the checkpoint (harness.reference.checkpoint) for a resumed arm: one of
+    # checkpoint_faults(), each named for what the save leaves out or the load loses.
     checkpoint_fault: str = "none"
 
     def __post_init__(self) -> None:
@@ -101,9 +100,10 @@ class TrainConfig:
             raise ValueError(f"routing must be one of {ROUTINGS}, got {self.routing!r}")
         if self.chunking not in CHUNKINGS:
             raise ValueError(f"chunking must be one of {CHUNKINGS}, got {self.chunking!r}")
-        if self.checkpoint_fault not in ("none", *CHECKPOINT_FAULTS):
+        if self.checkpoint_fault not in ("none", *self.checkpoint_faults()):
             raise ValueError(
-                f"checkpoint_fault must be one of {('none', *CHECKPOINT_FAULTS)}, got {self.checkpoint_fault!r}"
+                f"checkpoint_fault must be one of {('none', *self.checkpoint_faults())} for this arm's trainer,"
+                f" got {self.checkpoint_fault!r}"
             )
         if self.fault not in (*FAULTS, *ROUTER_FAULTS):
             raise ValueError(f"fault must be one of {(*FAULTS, *ROUTER_FAULTS)}, got {self.fault!r}")
@@ -132,6 +132,12 @@ class TrainConfig:
         n_experts = self.model_config().n_routed_experts
         if n_experts % self.ep:
             raise ValueError(f"EP degree {self.ep} does not divide the {n_experts} routed experts of {self.model}")
+
+    def checkpoint_faults(self) -> tuple[str, ...]:
+        """The planted checkpoint bugs that apply to this config's trainer: the AdamW state left out,
+        the data position lost (plain training only: the versioned and PEC trainers count their own
+        batches, and the checkpoint holds their counters)."""
+        return ("optimizer-not-saved", "data-position-lost")
 
     def model_config(self) -> DeepseekV3Config:
         """The model this arm trains: the named config with the overrides applied."""
@@ -299,6 +305,15 @@ class Trainer:
     def _prepare_model(self, rank: int, model: DeepseekV3ForCausalLM) -> None:
         """Called on each logical rank's freshly initialised model, before chunking and the optimizer:
         where a subclass swaps in a module of its own (PEC's sharded embedding)."""
+
+    def in_flight_state(self) -> dict[int, dict[str, torch.Tensor]]:
+        """What a checkpoint must hold beyond the models, AdamW and the step, per logical rank:
+        nothing for plain training, which finishes every batch within its step. A pipelined trainer
+        returns the work it holds between steps (harness.reference.checkpoint)."""
+        return {}
+
+    def load_in_flight(self, state: dict[int, dict[str, torch.Tensor]]) -> None:
+        """Restores what :meth:`in_flight_state` returned (nothing here)."""
 
     def _device(self) -> torch.device:
         """The process's current GPU, as its launcher set it (the harness's rank: by LOCAL_RANK among

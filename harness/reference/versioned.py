@@ -17,6 +17,9 @@ A :class:`VersionedModel` wraps one logical rank's model and optimizer:
   nothing and re-runs the forward at backward time on the record's snapshot with its saved RNG
   state, and checks that it reproduced the forward's loss bit for bit. All three give bitwise
   identical gradients.
+* **Checkpoint** of the forwards still pending (:meth:`VersionedModel.state`, ``load_state``):
+  each one's recipe and its version's snapshot; a graph cannot be saved, so a restored forward's
+  backward replays it, under every retention.
 * **Transactional commit.** The gradients of a batch of backwards are staged, validated, agreed on
   by every logical rank (errors are all-gathered across threads and processes), and only then
   published to ``.grad``; any failure leaves every ``.grad`` and weight untouched on every rank.
@@ -51,6 +54,8 @@ from harness.reference.ep.group import LogicalGroup
 
 RETENTIONS = ("retain", "offload", "replay")
 CORRECTIONS = ("off", "when_available", "always")
+# What a checkpoint keeps of a pending forward to replay it (VersionedModel.state), besides its snapshot.
+RECIPE = ("batch", "version", "inputs", "labels", "loss", "logprobs", "rng")
 # Longest error message one logical rank can contribute to a vote (bytes of UTF-8).
 ERROR_BYTES = 1024
 
@@ -216,6 +221,7 @@ class ForwardRecord:
     loss: torch.Tensor  # detached fp32 scalar
     logprobs: torch.Tensor  # selected-token logprobs at forward time, fp32
     graph: _Graph | None  # None under replay, and once consumed by a backward
+    restored: bool = False  # loaded from a checkpoint: no graph was ever built here, its backward replays
 
 
 @dataclass
@@ -424,14 +430,14 @@ class VersionedModel:
         graph = record.graph
         if graph is None:
             graph = self._replay(record)
-        record.graph = None  # a graph is consumed by its backward
+        record.graph, record.restored = None, False  # a graph is consumed by its backward, a replayed one too
         graph.cotangent.weight = weight
         names = list(record.snapshot)
         grads = torch.autograd.grad(graph.loss / self.grad_divisor, [record.snapshot[n] for n in names])
         return dict(zip(names, grads))
 
     def _replay(self, record: ForwardRecord) -> _Graph:
-        if self.retention != "replay":
+        if self.retention != "replay" and not record.restored:
             raise VersionError(f"batch {record.batch}: its graph was already consumed by a backward")
         cotangent = Cotangent()
         device = record.inputs.device
@@ -472,3 +478,73 @@ class VersionedModel:
     def _advance(self, version: Version) -> None:
         self.version = version
         self._current_logprobs.clear()  # they were the logprobs of the previous version
+
+    # -- checkpoint ----------------------------------------------------------------------------
+
+    def state(self, records: Sequence[ForwardRecord]) -> dict[str, torch.Tensor]:
+        """This rank's protocol as tensors, with ``records`` still waiting for their backward: the
+        version, the forward counters, the current logprobs (the correction's state), each record's
+        recipe (batch, version, inputs, labels, loss, logprobs, RNG state) and each version's
+        snapshot once, however many records share it. Between updates, so nothing is staged."""
+        tensors = {
+            "version": torch.tensor(self.version),
+            "counters": torch.tensor([self._seq, self.forwards, self.recomputes]),
+        }
+        for batch, logprobs in self._current_logprobs.items():
+            tensors[f"logprobs_now.{batch}"] = logprobs
+        for record in records:
+            recipe = {
+                "batch": torch.tensor(record.batch),
+                "version": torch.tensor(record.version),
+                "inputs": record.inputs,
+                "labels": record.labels,
+                "loss": record.loss,
+                "logprobs": record.logprobs,
+                "rng": record.rng.cpu,
+            }
+            if record.rng.cuda is not None:
+                recipe["rng_cuda"] = record.rng.cuda
+            tensors |= {f"forward.{record.seq}.{key}": tensor for key, tensor in recipe.items()}
+            generation, revision = record.version
+            for name, tensor in record.snapshot.items():
+                tensors[f"snapshot.{generation}.{revision}.{name}"] = tensor.detach()
+        return tensors
+
+    def load_state(self, tensors: dict[str, torch.Tensor], device: torch.device) -> list[ForwardRecord]:
+        """Restores what :meth:`state` saved and returns the records, in creation order.
+
+        An autograd graph cannot be saved: a restored record has none, under every retention. Its
+        backward rebuilds it by replaying the forward on its restored snapshot with its saved RNG
+        state, as ``replay`` always does, and the replay checks that it reproduced the saved loss
+        bit for bit. ``tensors`` raises for a name it lacks (the checkpoint's own mapping names the key)."""
+        self.version = Version(*tensors["version"].tolist())
+        self._seq, self.forwards, self.recomputes = tensors["counters"].tolist()
+        now = [key for key in tensors if key.startswith("logprobs_now.")]
+        self._current_logprobs = {int(key.split(".")[1]): tensors[key].to(device) for key in now}
+        snapshots: dict[Version, dict[str, torch.Tensor]] = {}
+        records = []
+        for seq in sorted({int(key.split(".")[1]) for key in tensors if key.startswith("forward.")}):
+            recipe = {key: tensors[f"forward.{seq}.{key}"] for key in RECIPE}
+            version = Version(*recipe["version"].tolist())
+            if version not in snapshots:
+                prefix = f"snapshot.{version.generation}.{version.revision}."
+                snapshots[version] = {name: tensors[prefix + name].to(device).requires_grad_() for name in self.params}
+            cuda = tensors.get(f"forward.{seq}.rng_cuda")
+            records.append(
+                ForwardRecord(
+                    seq=seq,
+                    batch=int(recipe["batch"]),
+                    version=version,
+                    inputs=recipe["inputs"].to(device),
+                    labels=recipe["labels"].to(device),
+                    snapshot=snapshots[version],
+                    rng=_RngState(recipe["rng"], cuda),
+                    loss=recipe["loss"].to(device),
+                    logprobs=recipe["logprobs"].to(device),
+                    graph=None,
+                    restored=True,
+                )
+            )
+        if records and records[-1].version == self.version:  # the next forward shares its snapshot, as it would have
+            self._snapshot = (self.version, snapshots[self.version])
+        return records

@@ -52,6 +52,12 @@ class SubjectError(Exception):
     """A subject that cannot be found or loaded; the message is one line naming it and why."""
 
 
+class CheckpointRefused(Exception):
+    """A checkpoint an arm must not load (partial, damaged, or of another config); the message is one
+    line naming the file and what is missing. Bad input, not a regression: a rank that raises it
+    ends the run with exit 2 (triage.py)."""
+
+
 @dataclass(frozen=True)
 class StepRecord:
     """One optimizer update, as ``metrics.jsonl`` records it (one line).
@@ -168,8 +174,8 @@ class CheckpointingArm(Arm, Protocol):
         """Saves the whole training state after update ``step`` under ``folder``; every process calls it."""
 
     def load_checkpoint(self, folder: Path, step: int) -> None:
-        """Restores the state saved after update ``step`` under ``folder``; raises naming the file
-        and what is missing when it cannot."""
+        """Restores the state saved after update ``step`` under ``folder``; raises
+        :class:`CheckpointRefused`, naming the file and what is missing, when it must not."""
 
 
 class Subject(Protocol):

@@ -25,7 +25,7 @@ from harness.reference.pec import PECConfig, PECTrainer
 from harness.reference.pipeline import PipelineConfig, VersionedTrainer
 from harness.reference.train import RankUpdate as ReferenceUpdate
 from harness.reference.train import Trainer
-from harness.subject.protocol import ArmContext, RankUpdate, StepRecord
+from harness.subject.protocol import ArmContext, CheckpointRefused, RankUpdate, StepRecord
 from harness.subject.reference.arms import train_config
 
 # PipelineConfig.trainer -> the class that runs such an arm.
@@ -82,18 +82,23 @@ class ReferenceArm:
         return step + self.offset - self.data_offset
 
     def save_checkpoint(self, folder: Path, step: int) -> None:
-        """The whole state after update ``step`` (harness.reference.checkpoint; plain arms only).
-        Imported here: torch.distributed.checkpoint costs every rank a second to import."""
+        """The whole state after the arm's step ``step`` (harness.reference.checkpoint): a versioned
+        arm's pipeline and a PEC arm's pending gradients in flight included. Imported here:
+        torch.distributed.checkpoint costs every rank a second to import."""
         from harness.reference import checkpoint
 
         checkpoint.save(self.trainer, step, folder)
 
     def load_checkpoint(self, folder: Path, step: int) -> None:
-        """Restores the state saved after update ``step``; training goes on from the data position
-        the checkpoint records, which is ``step`` unless a planted fault lost it."""
+        """Restores the state saved after the arm's step ``step``; training goes on from the data
+        position the checkpoint records, which is ``step`` unless a planted fault lost it. A
+        checkpoint the reference refuses is :class:`CheckpointRefused`, with its one line."""
         from harness.reference import checkpoint
 
-        position = checkpoint.load(self.trainer, folder, step)
+        try:
+            position = checkpoint.load(self.trainer, folder, step)
+        except checkpoint.CheckpointError as e:
+            raise CheckpointRefused(str(e)) from None
         self.data_offset = position - step
         self.resumed_from = step
 

@@ -301,7 +301,8 @@ def _resume(
     raw: dict, dotted: str, config: TrainConfig, oracle: str | None, steps: int, v: SuiteReader
 ) -> tuple[int | None, int | None]:
     """``resume_at`` (a step in 1..steps-1: the save) and ``resume_ranks`` (the processes that load,
-    dividing the EP degree), for an arm whose whole state a checkpoint holds: a plain one."""
+    dividing the EP degree), for an arm whose whole state a checkpoint holds: a plain, versioned or
+    PEC one, not the delayed oracle's pending batches nor an oracle's model beside the reference."""
     if "resume_at" not in raw:
         if "resume_ranks" in raw:
             raise v.error(f"{dotted}.resume_ranks", "needs resume_at: only a resumed arm launches twice")
@@ -309,10 +310,12 @@ def _resume(
     at = v.int_(raw["resume_at"], f"{dotted}.resume_at", 1, steps - 1) if steps > 1 else None
     if at is None:
         raise v.error(f"{dotted}.resume_at", f"a run of {steps} step has no step to resume after")
-    if type(config) is not TrainConfig or oracle is not None:
+    if oracle is not None:
+        raise v.error(f"{dotted}.resume_at", f"needs an arm without an oracle: the checkpoint does not hold {oracle}'s")
+    if isinstance(config, PipelineConfig) and config.trainer != "versioned":
         raise v.error(
             f"{dotted}.resume_at",
-            "needs a plain arm: the checkpoint does not hold a delayed pipeline, a PEC table or an oracle yet",
+            f'needs trainer = "versioned": the checkpoint does not hold the pending batches of {config.trainer}',
         )
     ranks = v.int_(raw["resume_ranks"], f"{dotted}.resume_ranks", 1, v.max_ranks) if "resume_ranks" in raw else None
     if ranks is not None and config.ep % ranks:
