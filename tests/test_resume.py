@@ -204,6 +204,7 @@ def test_a_save_killed_midway_leaves_the_previous_checkpoint_loadable(tmp_path: 
 RESUMED = {  # the suite's resumed arms and their straight arms
     "resumed": "straight",
     "resharded": "straight",
+    "unsharded": "straight",  # the reverse: saved by one process, loaded by 2
     **{f"versioned-{arm}": "versioned" for arm in ("retain", "offload", "replay", "resharded")},
     "pec-resumed": "pec",
     "pec-resharded": "pec",
@@ -230,13 +231,15 @@ def test_the_suite_passes_every_case(run_harness, tmp_path: Path) -> None:
         assert checks[f"{pair}: loss"]["detail"] == "6 steps bitwise identical"
         assert checks[f"{pair}, final weights"]["status"] == "pass"
         assert [m["step"] for m in read_jsonl(out / "arms" / arm / "metrics.jsonl")] == [1, 2, 3, 4, 5, 6]
-    # The resumed arms share a saving launch, then load on 2 processes or, resharded, on one.
+    # The resumed arms share a saving launch (unsharded's is one process), then load on 2 processes
+    # or, resharded, on one.
     logs = {p.name for p in (out / "logs").iterdir() if p.is_dir()}
-    saving = "+".join(RESUMED) + "@1-4"
+    saving = "+".join(arm for arm in RESUMED if arm != "unsharded") + "@1-4"
     resharded = "+".join(arm for arm in RESUMED if arm.endswith("resharded")) + "@5-"
     loading = "+".join(arm for arm in RESUMED if not arm.endswith("resharded")) + "@5-"
-    assert logs == {"straight+versioned+pec", saving, loading, resharded}, logs
-    assert sorted(p.name for p in (out / "logs" / resharded).glob("rank*.log")) == ["rank0.log"]
+    assert logs == {"straight+versioned+pec", saving, "unsharded@1-4", loading, resharded}, logs
+    for one_process in (resharded, "unsharded@1-4"):
+        assert sorted(p.name for p in (out / "logs" / one_process).glob("rank*.log")) == ["rank0.log"]
     for rank in (0, 1):
         # After tick 4 at delay 2, batches 3 and 4 wait for their backward, forwarded at revisions 0 and 1.
         held = _in_flight(out, "versioned-retain", rank)
