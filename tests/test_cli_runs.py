@@ -229,7 +229,9 @@ def test_golden_update_then_a_moved_golden_fails_as_a_regression_or_as_drift(run
     assert check.returncode == 1, check.stdout + check.stderr
     moved = check.check(tmp_path / "check", "golden:first:loss")
     assert moved["status"] == "fail" and moved["first_divergent_step"] == 2 and moved["label"] == "regression"
-    assert "; the environment is the golden's; passes the cross-environment tier" in moved["detail"]
+    assert moved["detail"].endswith(
+        "; the environment is the golden's: the code moved it, within the cross-environment tier"
+    )
     assert check.check(tmp_path / "check", "golden:second:loss")["status"] == "pass"
     # The plan is announced before the run, the outcome after judging; both name the golden relatively.
     lines = check.stdout.splitlines()

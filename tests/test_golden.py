@@ -424,7 +424,7 @@ def test_a_bitwise_failure_within_the_cross_env_tier_in_another_environment_is_d
     ("recorded", "rel", "why"),
     [
         ({**RUN_ENV, "torch": NIGHTLY}, 1e-3, "; fails the cross-environment tier too: first divergence at step 0"),
-        (RUN_ENV, 1e-7, "; the environment is the golden's; passes the cross-environment tier"),
+        (RUN_ENV, 1e-7, "; the environment is the golden's: the code moved it, within the cross-environment tier"),
         ({}, 1e-7, "; the environment is the golden's (the golden does not record: cpu_isa unknown -> avx2, gpu "),
     ],
     ids=["far-off-in-another-environment", "near-in-the-same-environment", "near-under-a-golden-without-fingerprint"],

@@ -92,7 +92,10 @@ def label_failure(own: CheckResult, loose: CheckResult, changed: list[str], unre
         label, why = DRIFT, f"{', '.join(changed)}; passes the cross-environment tier: {loose.detail}"
     else:
         unknown = f" (the golden does not record: {', '.join(unrecorded)})" if unrecorded else ""
-        label, why = REGRESSION, f"the environment is the golden's{unknown}; passes the cross-environment tier"
+        label, why = (
+            REGRESSION,
+            f"the environment is the golden's{unknown}: the code moved it, within the cross-environment tier",
+        )
     extra = {
         **own.extra,
         "cross_env": {"status": loose.status, "detail": loose.detail},
