@@ -253,7 +253,7 @@ def describe_environment(golden_dir: Path) -> dict[str, Any]:
             )
         },
         "env key cpu": key,
-        "fingerprint": ", ".join(f"{name} {value}" for name, value in fingerprint("cpu", pin).items()),
+        "fingerprint": ", ".join(f"{name} {value or 'null'}" for name, value in fingerprint("cpu", pin).items()),
         "goldens cpu": f"{len(recorded)} in {golden_dir}: {', '.join(recorded)}"
         if recorded
         else f"none in {golden_dir}",
