@@ -27,16 +27,7 @@ from harness.prepare import PreparedRun
 from harness.records import ArmRecords, RunRecords
 from harness.specs import CheckSpec, SuiteSpec
 from harness.triage import BAD_INPUT, REGRESSION
-from harness.verdict import (
-    DRIFT,
-    EXIT_PASS,
-    apply_expectations,
-    conclude,
-    mark_not_evaluated,
-    regression_line,
-    run_label,
-    unrun_arms,
-)
+from harness.verdict import DRIFT, EXIT_PASS, apply_expectations, conclude, mark_not_evaluated, run_label, unrun_arms
 
 log = logging.getLogger("harness")
 
@@ -92,6 +83,16 @@ def _line(run: PreparedRun, checks: list[CheckResult], label: str | None) -> str
     if label == DRIFT:
         return drift_line(checks, rebless_command(run.manifest.command, run.suite))
     return regression_line(checks) if label else None
+
+
+def regression_line(checks: list[CheckResult]) -> str:
+    """The console's last line of a regression: the failed checks, the first three by name, and how
+    many more failed as drift."""
+    failed = [c.name for c in checks if c.label == REGRESSION]
+    names = ", ".join(failed[:3]) + (f" and {len(failed) - 3} more" if len(failed) > 3 else "")
+    drifted = sum(c.label == DRIFT for c in checks)
+    also = f" ({drifted} more failed as drift: see their rows)" if drifted else ""
+    return f"regression: {len(failed)} failed check{'s' if len(failed) != 1 else ''}: {names}{also}"
 
 
 def _checks(run: PreparedRun, launched: Launched, records: RunRecords) -> list[CheckResult]:

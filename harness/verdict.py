@@ -99,15 +99,6 @@ def run_label(checks: list[CheckResult], verdict: str) -> str | None:
     return DRIFT if all(c.label == DRIFT for c in checks if c.status == "fail") else REGRESSION
 
 
-def regression_line(checks: list[CheckResult]) -> str:
-    """The console's last line of a regression: the failed checks, the first three by name."""
-    failed = [c.name for c in checks if c.label == REGRESSION]
-    names = ", ".join(failed[:3]) + (f" and {len(failed) - 3} more" if len(failed) > 3 else "")
-    drifted = sum(c.label == DRIFT for c in checks)
-    also = f" ({drifted} more failed as drift: see their rows)" if drifted else ""
-    return f"regression: {len(failed)} failed check{'s' if len(failed) != 1 else ''}: {names}{also}"
-
-
 def cancelled_check(cancelled: Cancelled, elapsed_s: float) -> CheckResult:
     """The check that ends a cancelled run: what stopped it, when, and that its records are kept."""
     detail = (

@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from harness.compare import CheckResult
+from harness.judge import regression_line
 from harness.launchers import LaunchGroup, LaunchResult, RankFailure
 from harness.records import ArmRecords, read_metrics_records
 from harness.report import format_verdict_table
@@ -25,7 +26,6 @@ from harness.verdict import (
     apply_expectations,
     conclude,
     mark_not_evaluated,
-    regression_line,
     run_label,
     unrun_arms,
     verdict_of,
