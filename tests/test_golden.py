@@ -12,6 +12,7 @@ from harness.compare import Close, Exact
 from harness.environment import env_key
 from harness.golden import (
     GoldenError,
+    GoldenPlan,
     comparable_goldens,
     config_differences,
     diff_summary,
@@ -418,6 +419,8 @@ def test_a_bitwise_failure_within_the_cross_env_tier_in_another_environment_is_d
     )
     assert drift.extra["environment"] == {"changed": [f"torch {NIGHTLY} -> 2.13.0+cpu"], "unrecorded": []}
     assert drift.extra["cross_env"]["status"] == "pass"
+    recorded = plan_golden("parity", CONFIG, PINNED, "check", tmp_path, CROSS_ENV, RUN_ENV).record()
+    assert GoldenPlan.from_record(json.loads(json.dumps(recorded))).fingerprint == RUN_ENV  # harness collect's
 
 
 @pytest.mark.parametrize(
