@@ -35,6 +35,7 @@ class CheckResult:
     max_rel_diff: float | None = None
     extra: dict = field(default_factory=dict)
     arms: list[str] = field(default_factory=list)  # the arms it judges; the report groups checks by them
+    label: str | None = None  # what a failure means: "drift" or "regression" (verdict.py); None unless it failed
 
     def to_dict(self) -> dict:
         """JSON-ready: numpy scalars become Python ones; floats are kept unrounded."""

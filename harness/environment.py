@@ -140,6 +140,56 @@ def versions() -> dict[str, str | None]:
     }
 
 
+# What a run's numbers depend on besides the code: the device class (the CPU ISA and vendor, or the
+# GPU model: the env key's first part), then each library and version on the way. A golden records
+# it as provenance; a run that fails its golden compares it with its own to tell drift from a
+# regression (golden.py). Ordered as a reader scans a change: hardware, then the toolchain.
+FINGERPRINT_KEYS = ("device", "cpu_isa", "gpu", "driver", "torch", "cuda", "cudnn", "nccl", "mkl", "onednn", "python")
+NVIDIA_DRIVER = Path("/proc/driver/nvidia/version")
+
+
+def fingerprint(device: str, pin: CpuPin | None = None) -> dict[str, str | None]:
+    """This run's environment, every key of FINGERPRINT_KEYS: a field that does not bear on the run's
+    numbers is null. A CPU run's GPU fields (cuda, cudnn, nccl, gpu, driver) are null on any build,
+    so a golden recorded on a CPU runner and one recorded on a GPU host's CPUs differ only where
+    their numbers can; a GPU run's cpu_isa is null."""
+    config = torch.__config__.show()
+    mkl = re.search(r"Math Kernel Library Version ([0-9.]+)\S* Build (\d+)", config)
+    onednn = re.search(r"MKL-DNN v([0-9.]+)", config)
+    cuda = device == "cuda"
+    return {
+        "device": device_class(device, pin),
+        "cpu_isa": None if cuda else (pin or cpu_pin()).capability,
+        "gpu": torch.cuda.get_device_name(0) if cuda else None,
+        "driver": _nvidia_driver() if cuda else None,
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda if cuda else None,
+        "cudnn": _dotted(torch.backends.cudnn.version()) if cuda and torch.backends.cudnn.is_available() else None,
+        "nccl": ".".join(map(str, torch.cuda.nccl.version())) if cuda and dist.is_nccl_available() else None,
+        "mkl": f"{mkl[1]} build {mkl[2]}" if mkl else None,
+        "onednn": onednn[1] if onednn else None,
+        "python": platform.python_version(),
+    }
+
+
+def _dotted(cudnn: int | None) -> str | None:
+    """cuDNN's version number as torch reports it in dotted form: 90100 -> "9.1.0" (cuDNN 9 on), 8902 -> "8.9.2"."""
+    if cudnn is None:
+        return None
+    major = 10000 if cudnn >= 90000 else 1000
+    return f"{cudnn // major}.{cudnn % major // 100}.{cudnn % 100}"
+
+
+def _nvidia_driver() -> str | None:
+    """The NVIDIA kernel driver's version ("550.54.15"), None where it cannot be read."""
+    try:
+        text = NVIDIA_DRIVER.read_text()
+    except OSError:
+        return None
+    match = re.search(r"Kernel Module(?: for \S+)?\s+([0-9][0-9.]*)", text)
+    return match[1] if match else None
+
+
 def device_class(device: str, pin: CpuPin | None = None) -> str:
     """ "cpu-pinned-avx2-intel", "cpu-native-avx512-amd", or "cuda-<gpu model>" such as "cuda-h200"."""
     if device == "cuda":
@@ -203,6 +253,7 @@ def describe_environment(golden_dir: Path) -> dict[str, Any]:
             )
         },
         "env key cpu": key,
+        "fingerprint": ", ".join(f"{name} {value or 'null'}" for name, value in fingerprint("cpu", pin).items()),
         "goldens cpu": f"{len(recorded)} in {golden_dir}: {', '.join(recorded)}"
         if recorded
         else f"none in {golden_dir}",

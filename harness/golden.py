@@ -11,6 +11,8 @@ from __future__ import annotations
 import json
 import math
 import re
+import shlex
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -19,6 +21,7 @@ import numpy as np
 import pandas as pd
 
 from harness.compare import CheckResult, Exact, compare_series, format_steps, tier_from_spec
+from harness.environment import FINGERPRINT_KEYS
 from harness.files import remove_stale_temps, write_json_atomic
 from harness.shipped import SOURCE_ROOT, in_checkout
 
@@ -32,6 +35,10 @@ SCHEMA = 2
 PROVENANCE_KEYS = ("torch", "device", "backend", "dtype", "harness", "git_sha", "date")
 # Null when an installed harness recorded the golden: it runs from no checkout, so has no commit to name.
 NULLABLE_PROVENANCE = ("git_sha",)
+# The rest of the environment's fingerprint (environment.py), recorded since goldens tell drift from
+# a regression: a string, or null where it does not apply. Optional, so that a golden recorded before
+# loads as it is; a field it lacks is unknown (fingerprint_changes).
+FINGERPRINT_PROVENANCE = tuple(key for key in FINGERPRINT_KEYS if key not in PROVENANCE_KEYS)
 _TOP_KEYS = {"schema", "suite", "env_key", "provenance", "config", "tier", "arms"}
 _TRAJECTORY_KEYS = {"start_step", "end_step", "values"}
 
@@ -134,6 +141,9 @@ def _parse(obj: Any, source: Any) -> Golden:
         if not isinstance(value, str):
             expected = "a string or null" if key in NULLABLE_PROVENANCE else "a string"
             raise GoldenError(source, f"provenance.{key}", f"expected {expected}, got {value!r}")
+    for key in FINGERPRINT_PROVENANCE:
+        if not isinstance(provenance.get(key), (str, type(None))):
+            raise GoldenError(source, f"provenance.{key}", f"expected a string or null, got {provenance[key]!r}")
     config = obj.get("config")
     if not isinstance(config, dict) or set(config) != {"steps", "arms"} or not isinstance(config["arms"], dict):
         raise GoldenError(source, "config", "expected an object with steps and arms")
@@ -215,7 +225,7 @@ def diff_summary(old: Golden | None, new: Golden) -> str:
     if old is not None:
         lines += [f"  config: {change}" for change in config_differences(old.config, new.config)]
         for key in sorted(old.provenance.keys() | new.provenance.keys()):
-            before, after = old.provenance.get(key), new.provenance.get(key)
+            before, after = _shown(old.provenance, key), _shown(new.provenance, key)
             if before != after:
                 lines.append(f"  provenance.{key}: {before} -> {after}")
         if old.tier != new.tier:
@@ -236,6 +246,32 @@ def diff_summary(old: Golden | None, new: Golden) -> str:
             if metric not in new.arms.get(arm, {}):
                 lines.append(f"  {arm}/{metric}: removed")
     return "\n".join(lines)
+
+
+def _shown(provenance: dict[str, str | None], key: str) -> str:
+    """A provenance field as the diffs name it: its value, "null" where it does not apply, "unknown"
+    where the golden predates the field."""
+    if key not in provenance:
+        return "unknown"
+    return "null" if provenance[key] is None else str(provenance[key])
+
+
+def fingerprint_changes(provenance: dict[str, str | None], run: dict[str, str | None]) -> tuple[list[str], list[str]]:
+    """How this run's environment (environment.fingerprint) differs from the one a golden recorded:
+    (changed: "torch 2.13.0 -> 2.13.1", one per field both know and differ in; unrecorded:
+    "mkl unknown -> 2024.2 build 20240605", one per field the golden predates).
+
+    An unknown field is named but is no change: a golden too old to say what it ran on must not
+    let a change of the code pass as drift. A field this run lacks (a manifest of an older harness,
+    read by ``harness collect``) counts as unknown too.
+    """
+    changed, unrecorded = [], []
+    for key in FINGERPRINT_KEYS:
+        before, after = _shown(provenance, key), _shown(run, key)
+        if before == after:
+            continue
+        (unrecorded if "unknown" in (before, after) else changed).append(f"{key} {before} -> {after}")
+    return changed, unrecorded
 
 
 # --- which golden a run compares with --------------------------------------------------------
@@ -309,6 +345,9 @@ class GoldenPlan:
     note: str | None = None  # one console line before the run: what will be compared and how, or why nothing is
     root: Path | None = None  # the golden root (--golden-dir) the paths are shown against
     how: str | None = None  # the tier in words ("bit for bit")
+    # This run's environment (environment.fingerprint): what update records as provenance, and what a
+    # failed check compares with the golden's to tell drift from a regression. None: not recorded.
+    fingerprint: dict[str, str | None] | None = None
 
     @property
     def cross_env(self) -> bool:
@@ -331,16 +370,19 @@ class GoldenPlan:
             "root": str(self.root) if self.root else None,
             "tier": self.tier,
             "note": self.note,
+            "fingerprint": self.fingerprint,
         }
 
     @classmethod
     def from_record(cls, record: dict) -> GoldenPlan:
-        """The plan :meth:`record` wrote, with the golden it compares with loaded again."""
+        """The plan :meth:`record` wrote, with the golden it compares with loaded again; an older
+        harness's record has no fingerprint."""
         compared = record["compared"]
         root = Path(record["root"]) if record["root"] else None
         golden = load_golden(Path(compared)) if compared else None
         how = tier_from_spec(record["tier"]).describe() if record["tier"] else None
-        return cls(record["mode"], Path(record["path"]), golden, record["tier"], record["note"], root, how)
+        fingerprint = record.get("fingerprint")
+        return cls(record["mode"], Path(record["path"]), golden, record["tier"], record["note"], root, how, fingerprint)
 
     def summary(self, outcome: str | None) -> dict:
         """summary.json's ``golden``: the plan announced before the run and the ``outcome`` judged
@@ -386,6 +428,7 @@ def golden_config(suite: SuiteSpec) -> dict:
 def update_golden(plan: GoldenPlan, suite: SuiteSpec, manifest: Manifest, metrics: dict[str, pd.DataFrame]) -> str:
     """Writes the run's trajectories as the golden (atomically); returns the diff for the reviewer."""
     provenance = {
+        **(plan.fingerprint or {}),
         "torch": manifest.versions["torch"],
         "device": manifest.device_class,
         "backend": manifest.backend,
@@ -403,10 +446,43 @@ def update_golden(plan: GoldenPlan, suite: SuiteSpec, manifest: Manifest, metric
     return "\n".join(filter(None, [plan.note, diff, f"wrote {plan.shown(plan.path)}"]))
 
 
+# Options a run takes that ``harness golden update`` does not (what a run does with its golden,
+# where it writes, a gate's retries, Slurm's), and the options that take no value.
+_RUN_ONLY = ("--out", "--golden", "--retries", "--nodes", "--profile", "--partition", "--account", "--time",
+             "--gpus-per-node", "--no-wait")  # fmt: skip
+_NO_VALUE = ("--verbose", "--no-wait", "--control")
+
+
+def rebless_command(command: Sequence[str], suite: SuiteSpec) -> str:
+    """The command that records this environment's golden of ``suite`` again, from the run's own
+    command line (manifest.json's ``command``): ``harness golden update`` with the same suite and
+    options (--ranks, --steps, --set, --device, --cpu-isa, --golden-dir, ...), so the new golden is
+    of this run's configuration. It prints what moved (diff_summary) for review before the change
+    lands. A gate's other suites, and what only a run takes, are left out."""
+    kept, args = [], iter(command[2:])  # after "harness run" (or submit, ci)
+    for arg in args:
+        if not arg.startswith("-"):  # a suite: this one, or another of a gate's
+            if arg == suite.name or Path(arg).resolve() == Path(suite.path).resolve():
+                kept.insert(0, arg)
+            continue
+        flag = arg.split("=", 1)[0]
+        value = [] if "=" in arg or flag in _NO_VALUE else [next(args, "")]
+        if flag not in _RUN_ONLY:
+            kept += [arg, *value]
+    return shlex.join(["harness", "golden", "update", *kept])
+
+
 def plan_golden(
-    suite: str, config: dict, key: str, requested: str, golden_dir: Path, cross_env_tier: dict
+    suite: str,
+    config: dict,
+    key: str,
+    requested: str,
+    golden_dir: Path,
+    cross_env_tier: dict,
+    fingerprint: dict[str, str | None] | None = None,
 ) -> GoldenPlan:
-    """Resolves ``--golden`` for a suite whose configuration is ``config`` (see golden_config).
+    """Resolves ``--golden`` for a suite whose configuration is ``config`` (see golden_config), run
+    in the environment ``fingerprint`` (environment.fingerprint).
 
     auto and check compare with this env key's golden, else with a comparable golden of another
     environment at ``cross_env_tier``. Where none applies, check is an error and auto says so in
@@ -422,7 +498,7 @@ def plan_golden(
         note: str | None = None,
         how: str | None = None,
     ) -> GoldenPlan:
-        return GoldenPlan(mode, path, golden, tier, note, golden_dir, how)
+        return GoldenPlan(mode, path, golden, tier, note, golden_dir, how, fingerprint)
 
     def shown(where: Path) -> str:
         return shown_path(where, golden_dir)

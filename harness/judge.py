@@ -5,8 +5,8 @@ regression, anything else infrastructure: triage.py), the records themselves (un
 or off the pinned kernel ISA), then every check through its family (harness/checks/): the suite's
 [[checks]] and the golden's, which no suite lists; a throughput run has its ABBA gate instead.
 Checks of arms that never ran are not evaluated; a negative suite's expected failures are marked
-as such (verdict.py). Then the verdict, the exit code, and, for ``--golden update`` of a run that
-passed, the new golden.
+as such (verdict.py). Then the verdict, the exit code, a failed run's label (drift or regression)
+and, for ``--golden update`` of a run that passed, the new golden.
 """
 
 from __future__ import annotations
@@ -17,16 +17,17 @@ from dataclasses import dataclass
 
 from harness.cancel import Cancelled
 from harness.checks import run_check
+from harness.checks.golden import drift_line
 from harness.compare import CheckResult
 from harness.environment import CpuPin
-from harness.golden import update_golden
+from harness.golden import rebless_command, update_golden
 from harness.launchers import LaunchGroup, LaunchResult
 from harness.launching import Launched
 from harness.prepare import PreparedRun
 from harness.records import ArmRecords, RunRecords
 from harness.specs import CheckSpec, SuiteSpec
 from harness.triage import BAD_INPUT, REGRESSION
-from harness.verdict import EXIT_PASS, apply_expectations, conclude, mark_not_evaluated, unrun_arms
+from harness.verdict import DRIFT, EXIT_PASS, apply_expectations, conclude, mark_not_evaluated, run_label, unrun_arms
 
 log = logging.getLogger("harness")
 
@@ -34,13 +35,16 @@ log = logging.getLogger("harness")
 @dataclass(frozen=True)
 class Judgement:
     """The run's checks, its verdict and exit code, and what became of its golden: the line
-    summary.json keeps (``golden_outcome``) and what the console prints after the verdict."""
+    summary.json keeps (``golden_outcome``) and what the console prints after the verdict. A failed
+    run's label, drift or regression, and its line, the console's last (None unless it failed)."""
 
     checks: list[CheckResult]
     verdict: str
     exit_code: int
     golden_outcome: str | None
     golden_news: str | None
+    label: str | None = None
+    label_line: str | None = None
 
 
 def judge(run: PreparedRun, launched: Launched, records: RunRecords) -> Judgement:
@@ -69,7 +73,26 @@ def judge(run: PreparedRun, launched: Launched, records: RunRecords) -> Judgemen
             except Cancelled as c:  # the golden is replaced atomically: the old one stays
                 checks, verdict, exit_code = conclude(checks, c, launched.elapsed_s())
                 news = f"not updating {golden.shown(golden.path)}: {c}"
-    return Judgement(checks, verdict, exit_code, news.splitlines()[-1] if news else None, news)
+    label = run_label(checks, verdict)
+    outcome = news.splitlines()[-1] if news else None
+    return Judgement(checks, verdict, exit_code, outcome, news, label, _line(run, checks, label))
+
+
+def _line(run: PreparedRun, checks: list[CheckResult], label: str | None) -> str | None:
+    """A failed run's last console line: drift names what changed and the command that re-records the golden."""
+    if label == DRIFT:
+        return drift_line(checks, rebless_command(run.manifest.command, run.suite))
+    return regression_line(checks) if label else None
+
+
+def regression_line(checks: list[CheckResult]) -> str:
+    """The console's last line of a regression: the failed checks, the first three by name, and how
+    many more failed as drift."""
+    failed = [c.name for c in checks if c.label == REGRESSION]
+    names = ", ".join(failed[:3]) + (f" and {len(failed) - 3} more" if len(failed) > 3 else "")
+    drifted = sum(c.label == DRIFT for c in checks)
+    also = f" ({drifted} more failed as drift: see their rows)" if drifted else ""
+    return f"regression: {len(failed)} failed check{'s' if len(failed) != 1 else ''}: {names}{also}"
 
 
 def _checks(run: PreparedRun, launched: Launched, records: RunRecords) -> list[CheckResult]:

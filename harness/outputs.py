@@ -58,13 +58,18 @@ class Summary:
     checks: list[dict[str, Any]]
     throughput: dict[str, Any] | None
     timing: dict[str, Any] | None = None
+    label: str | None = None  # a failed run's: drift (re-record the golden) or regression (verdict.py)
+    label_line: str | None = None  # the console's last line: the label, and what changed or what failed
     schema_version: int = SCHEMA_VERSION
 
     def with_check(self, check: CheckResult, verdict: str, exit_code: int) -> Summary:
-        """The summary with one more check (a cancellation, an output error) deciding the run."""
+        """The summary with one more check (a cancellation, an output error) deciding the run: a
+        verdict other than fail, so without a label."""
         checks = [*self.checks, check.to_dict()]
         counts = status_counts(checks)
-        return dataclasses.replace(self, verdict=verdict, exit_code=exit_code, checks=checks, counts=counts)
+        return dataclasses.replace(
+            self, verdict=verdict, exit_code=exit_code, checks=checks, counts=counts, label=None, label_line=None
+        )
 
     def to_json(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -78,8 +83,9 @@ def write_outputs(
     out: TextIO = sys.stdout,
     err: TextIO = sys.stderr,
 ) -> int:
-    """Writes the run's files and prints its verdict table, the golden's news and the run directory;
-    returns the exit code (exit 3 where the outputs themselves could not be written)."""
+    """Writes the run's files and prints its verdict table, the golden's news, the run directory and,
+    last, a failed run's label line; returns the exit code (exit 3 where the outputs themselves
+    could not be written)."""
     summary = build_summary(run, launched, records, judgement)
     metrics = {arm: rec.metrics for arm, rec in records.items() if rec.steps_done()}
     golden = run.golden.golden if run.golden.mode == "check" else None
@@ -88,6 +94,8 @@ def write_outputs(
     if judgement.golden_news:
         print(judgement.golden_news, file=out)
     print(f"run dir: {run.run_dir}", file=out)
+    if summary.label_line:
+        print(summary.label_line, file=out)
     return summary.exit_code
 
 
@@ -117,6 +125,8 @@ def build_summary(run: PreparedRun, launched: Launched, records: RunRecords, jud
         counts=status_counts(checks),
         checks=checks,
         throughput=next((c.extra["throughput"] for c in judged.checks if c.kind == "throughput"), None),
+        label=judged.label,
+        label_line=judged.label_line,
     )
 
 
@@ -235,4 +245,6 @@ def rerender(run_dir: Path, out: TextIO = sys.stdout) -> int:
     write_reports(run_dir, summary, metrics, golden, manifest.to_json(), throughput)
     print(format_verdict_table(summary), file=out)
     print(f"run dir: {run_dir}", file=out)
+    if summary.get("label_line"):
+        print(summary["label_line"], file=out)
     return EXIT_PASS

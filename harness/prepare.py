@@ -22,7 +22,7 @@ import torch
 import harness
 from harness.cancel import Cancellation
 from harness.checks import planned_checks
-from harness.environment import CpuPin, backend_for, cpu_pin, device_class, run_env_key, versions
+from harness.environment import CpuPin, backend_for, cpu_pin, device_class, fingerprint, run_env_key, versions
 from harness.golden import GoldenPlan, golden_config, plan_golden
 from harness.launchers import LaunchGroup, plan_launches
 from harness.manifest import Manifest, ManifestError
@@ -122,7 +122,8 @@ def prepare_run(
     key = run_env_key(options.device, suite.dtype, pin)
     config = golden_config(suite)
     requested = "off" if suite.throughput else options.golden
-    golden = plan_golden(suite.name, config, key, requested, options.golden_dir, suite.golden_cross_env)
+    environment = fingerprint(options.device, pin)
+    golden = plan_golden(suite.name, config, key, requested, options.golden_dir, suite.golden_cross_env, environment)
     if suite.throughput:
         golden = dataclasses.replace(golden, note=None)  # nothing to say: step times have no golden
     checks = planned_checks(suite, golden, groups)

@@ -12,6 +12,13 @@ its own family cannot know.
   then ``xfail``, and everything else passes; an expected failure that passes, or never ran, fails
   the run, and so does any other failure, as pytest's strict xfail does.
 
+* **Drift or regression.** Every failed check is labelled. ``drift``: the environment moved the
+  numbers, not the code; only the golden check says so (checks/golden.py: its own tier fails, the
+  cross-environment tier passes, and the environment's fingerprint differs from the golden's),
+  and the remedy is to re-record the golden. Any other failure is a ``regression``. The run's label
+  is drift only when every failure is; the exit code is 1 either way, so drift never merges
+  silently.
+
 * **Bad input.** A rank that refused its input (a checkpoint that must not be loaded: triage.py)
   makes the run's verdict ``bad-input``, exit 2, whatever else its checks say: what ran after it
   never ran, and fixing the input comes before judging anything.
@@ -28,7 +35,7 @@ from harness.cancel import Cancelled
 from harness.compare import CheckResult
 from harness.records import ArmRecords
 from harness.specs import SuiteSpec
-from harness.triage import BAD_INPUT
+from harness.triage import BAD_INPUT, REGRESSION
 
 if TYPE_CHECKING:  # the reports read verdicts too, without the launcher's imports
     from harness.launchers import LaunchGroup, LaunchResult
@@ -40,6 +47,7 @@ STATUSES = ("error", "fail", "inconclusive", "xfail", "pass", "skip")
 # The verdict of a negative suite that failed exactly as it should; it exits 0.
 FAILED_AS_EXPECTED = "failed-as-expected"
 NOT_EVALUATED = "not_evaluated"  # CheckResult.extra key: the arm, never run, that left a check unjudged
+DRIFT = "drift"  # CheckResult.label: the environment, not the code, moved the numbers; REGRESSION otherwise
 
 
 def is_not_evaluated(check: CheckResult) -> bool:
@@ -69,10 +77,26 @@ def verdict_of(checks: list[CheckResult]) -> tuple[str, int]:
 def conclude(
     checks: list[CheckResult], cancelled: Cancelled | None, elapsed_s: float
 ) -> tuple[list[CheckResult], str, int]:
-    """The run's checks, verdict and exit code: :func:`verdict_of`, unless a signal cancelled it."""
+    """The run's checks, each failure labelled (:func:`labelled`), verdict and exit code:
+    :func:`verdict_of`, unless a signal cancelled it."""
+    checks = labelled(checks)
     if cancelled is None:
         return checks, *verdict_of(checks)
     return [*checks, cancelled_check(cancelled, elapsed_s)], "cancelled", cancelled.exit_code
+
+
+def labelled(checks: list[CheckResult]) -> list[CheckResult]:
+    """Each failed check labelled drift where its family judged it so, else regression; any other
+    check (an expected failure of a negative suite included) unlabelled."""
+    return [dataclasses.replace(c, label=(c.label or REGRESSION) if c.status == "fail" else None) for c in checks]
+
+
+def run_label(checks: list[CheckResult], verdict: str) -> str | None:
+    """The label of a failed run (verdict fail): drift when every failure is drift, else regression.
+    None for any other verdict: an error or a cancellation is not judged."""
+    if verdict != "fail":
+        return None
+    return DRIFT if all(c.label == DRIFT for c in checks if c.status == "fail") else REGRESSION
 
 
 def cancelled_check(cancelled: Cancelled, elapsed_s: float) -> CheckResult:

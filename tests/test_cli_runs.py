@@ -3,15 +3,19 @@
 from __future__ import annotations
 
 import json
+import shlex
+import xml.etree.ElementTree as ET
 from pathlib import Path
 
 import pytest
+import torch
 
 from harness.environment import run_env_key
 from harness.golden import PROVENANCE_KEYS
 from harness.records import read_jsonl
 
 CPU_KEY = run_env_key("cpu", "float32")
+NIGHTLY = "2.13.0.dev20261120+cpu"  # a stated torch that recorded a golden: not this run's
 HANG_TIMEOUT_S = 25
 
 
@@ -206,7 +210,10 @@ def test_corrupt_or_mismatched_golden_exits_2_naming_the_file(
     assert not (tmp_path / "run").exists()
 
 
-def test_golden_update_then_a_drifted_golden_fails_the_run(run_harness, tmp_path: Path) -> None:
+def test_golden_update_then_a_moved_golden_fails_as_a_regression_or_as_drift(run_harness, tmp_path: Path) -> None:
+    """The golden moves by 1e-9 at one step: in the golden's own environment that is the code (a
+    regression); under a golden that says another torch recorded it, drift, whose re-bless command
+    records the golden again and prints the diff."""
     common = ("determinism", "--ranks", 1, "--steps", 2, "--golden-dir", tmp_path / "golden")
     update = run_harness("golden", "update", *common, "--out", tmp_path / "update")
     assert update.returncode == 0, update.stdout + update.stderr
@@ -215,22 +222,53 @@ def test_golden_update_then_a_drifted_golden_fails_the_run(run_harness, tmp_path
     assert update.stdout.splitlines()[-2] == f"wrote determinism/{CPU_KEY}.json"
 
     data = json.loads(golden.read_text())
+    assert data["provenance"]["torch"] == torch.__version__ and "onednn" in data["provenance"]  # the fingerprint
     data["arms"]["first"]["loss"]["values"]["2"] += 1e-9
     golden.write_text(json.dumps(data))
     check = run_harness("run", *common, "--out", tmp_path / "check")
     assert check.returncode == 1, check.stdout + check.stderr
-    drifted = check.check(tmp_path / "check", "golden:first:loss")
-    assert drifted["status"] == "fail" and drifted["first_divergent_step"] == 2
+    moved = check.check(tmp_path / "check", "golden:first:loss")
+    assert moved["status"] == "fail" and moved["first_divergent_step"] == 2 and moved["label"] == "regression"
+    assert moved["detail"].endswith(
+        "; the environment is the golden's: the code moved it, within the cross-environment tier"
+    )
     assert check.check(tmp_path / "check", "golden:second:loss")["status"] == "pass"
     # The plan is announced before the run, the outcome after judging; both name the golden relatively.
     lines = check.stdout.splitlines()
     plan = f"golden: will compare with determinism/{CPU_KEY}.json, bitwise identical"
     outcome = f"golden: 1 of 4 checks differ from determinism/{CPU_KEY}.json (bitwise identical)"
     assert plan in lines and outcome in lines and lines.index(plan) < lines.index(outcome)
-    assert lines[lines.index(outcome) - 1].startswith("0 passed") is False and lines[-1].startswith("run dir: ")
-    summary = check.summary(tmp_path / "check")["golden"]
-    assert (summary["plan"], summary["outcome"]) == (plan, outcome)
-    assert summary["compared"] == f"determinism/{CPU_KEY}.json" and str(tmp_path) not in json.dumps(summary)
+    assert lines[lines.index(outcome) - 1].startswith("0 passed") is False
+    assert "determinism: FAIL [regression] (exit 1) - 20 checks" in check.stdout
+    assert lines[-2].startswith("run dir: ") and lines[-1] == "regression: 1 failed check: golden:first:loss"
+    summary = check.summary(tmp_path / "check")
+    assert (summary["golden"]["plan"], summary["golden"]["outcome"]) == (plan, outcome)
+    assert summary["golden"]["compared"] == f"determinism/{CPU_KEY}.json"
+    assert str(tmp_path) not in json.dumps(summary["golden"])
+    assert (summary["label"], summary["label_line"]) == ("regression", lines[-1])
+
+    data["provenance"]["torch"] = NIGHTLY
+    golden.write_text(json.dumps(data))
+    drift = run_harness("run", *common, "--out", tmp_path / "drift")
+    assert drift.returncode == 1, drift.stdout + drift.stderr  # CI must not merge on drift silently
+    moved = drift.check(tmp_path / "drift", "golden:first:loss")
+    assert (
+        moved["label"] == "drift" and f"; torch {NIGHTLY} -> {torch.__version__}; passes the cross" in moved["detail"]
+    )
+    rebless = f"harness golden update determinism --ranks 1 --steps 2 --golden-dir {tmp_path / 'golden'}"
+    last = f"drift: re-bless: torch {NIGHTLY} -> {torch.__version__} moved 1 golden check, within the"
+    last += f" cross-environment tier; review the new golden: {rebless}"
+    assert drift.stdout.splitlines()[-1] == last and drift.summary(tmp_path / "drift")["label"] == "drift"
+    assert "DRIFT  golden:first:loss" in drift.stdout
+    testsuite = ET.parse(tmp_path / "drift" / "junit.xml").getroot().find("testsuite")
+    assert testsuite.find("properties/property[@name='label']").get("value") == "drift"
+    assert testsuite.find("testcase[@name='golden:first:loss']/failure").get("message").startswith("drift: ")
+    assert "determinism: FAIL [drift: re-bless]" in (tmp_path / "drift" / "report.html").read_text()
+
+    blessed = run_harness(*shlex.split(rebless)[1:], "--out", tmp_path / "rebless")
+    assert blessed.returncode == 0, blessed.stdout + blessed.stderr
+    assert f"  provenance.torch: {NIGHTLY} -> {torch.__version__}" in blessed.stdout.splitlines()
+    assert "  first/loss: changed: first divergence at step 2:" in blessed.stdout
 
 
 def test_golden_of_another_cpu_isa_is_compared_at_the_cross_env_tier(run_harness, tmp_path: Path) -> None:

@@ -12,16 +12,20 @@ from harness.compare import Close, Exact
 from harness.environment import env_key
 from harness.golden import (
     GoldenError,
+    GoldenPlan,
     comparable_goldens,
     config_differences,
     diff_summary,
+    fingerprint_changes,
     golden_from_metrics,
     load_golden,
     plan_golden,
+    rebless_command,
     shown_path,
     write_golden,
 )
 from harness.shipped import SOURCE_ROOT
+from harness.suites import load_suite
 
 KEY = "cpu-gloo-float32-torch2.13"
 CONFIG = {"steps": 5, "arms": {"eager": {"ranks": 2, "config": {"chunks": 2}}, "graph": {"ranks": 2, "config": {}}}}
@@ -46,9 +50,9 @@ def frame(scale=1.0, steps=5):
     )
 
 
-def make(metrics=None, key=KEY, config=CONFIG, **kw):
+def make(metrics=None, key=KEY, config=CONFIG, provenance=PROVENANCE, **kw):
     metrics = metrics or {"eager": frame(), "graph": frame()}
-    return golden_from_metrics("parity", key, PROVENANCE, config, {"kind": "exact", "metrics": ["loss"]}, metrics, **kw)
+    return golden_from_metrics("parity", key, provenance, config, {"kind": "exact", "metrics": ["loss"]}, metrics, **kw)
 
 
 @pytest.mark.parametrize(
@@ -146,6 +150,7 @@ def _valid():
         ),
         (lambda d: d["provenance"].pop("git_sha"), ": provenance.git_sha: expected a string or null"),
         (lambda d: d["provenance"].update(torch=None), ": provenance.torch: expected a string, got None"),
+        (lambda d: d["provenance"].update(mkl=2024.2), ": provenance.mkl: expected a string or null, got 2024.2"),
         (lambda d: d.update(tier={"kind": "close", "rtol": 1e-4}), ": tier: close check: missing field 'atol'"),
         (
             lambda d: d["arms"]["eager"]["loss"].update(values=[1.0, 2.0]),
@@ -260,6 +265,10 @@ def test_diff_summary_reports_new_unchanged_changed_removed():
     assert "  extra/loss: new (5 steps, 0..4)" in lines
     assert {"  eager/grad_norm: removed", "  graph/loss: removed", "  graph/grad_norm: removed"} <= set(lines)
     assert "  eager/loss: unchanged (5 steps)" in diff_summary(old, make()).splitlines()
+    fingerprinted = diff_summary(old, make(provenance={**PROVENANCE, "mkl": "2024.2 build 20240605", "cuda": None}))
+    assert {"  provenance.mkl: unknown -> 2024.2 build 20240605", "  provenance.cuda: unknown -> null"} <= set(
+        fingerprinted.splitlines()
+    )
 
 
 # --- planning: which golden a run compares with, and how -------------------------------------
@@ -376,3 +385,90 @@ def test_config_differences_see_through_tuples_and_name_missing_fields():
         "a.b: golden 1, this run unset",
         "a.c: golden unset, this run 1",
     ]
+
+
+# --- drift or regression: a golden that fails bitwise, judged again --------------------------
+
+NIGHTLY = "2.13.0.dev20261120+cpu"
+# A stated environment: this run's, and (with a field changed) the one a golden was recorded in.
+RUN_ENV = {
+    "device": "cpu", "cpu_isa": "avx2", "gpu": None, "driver": None, "torch": "2.13.0+cpu", "cuda": None,
+    "cudnn": None, "nccl": None, "mkl": "2024.2 build 20240605", "onednn": "3.12.0", "python": "3.11.7",
+}  # fmt: skip
+
+
+def _judged(golden_dir, recorded_env, rel):
+    """The golden checks of a run in RUN_ENV whose eager loss is ``rel`` off a golden recorded in
+    ``recorded_env`` (PROVENANCE alone: a golden from before the fingerprint)."""
+    write_golden(golden_dir / "parity" / f"{PINNED}.json", make(key=PINNED, provenance={**PROVENANCE, **recorded_env}))
+    plan = plan_golden("parity", CONFIG, PINNED, "check", golden_dir, CROSS_ENV, RUN_ENV)
+    moved = frame()
+    moved["loss"] *= 1 + rel
+    results = golden_checks(plan, {"eager": moved, "graph": frame()}, steps=5, cross_env_tier=CROSS_ENV)
+    assert all(r.label is None for r in results if r.status == "pass")
+    [failed] = [r for r in results if r.status == "fail"]
+    assert failed.name == "golden:eager:loss" and failed.detail.startswith("first divergence at step 0")
+    return failed
+
+
+def test_a_bitwise_failure_within_the_cross_env_tier_in_another_environment_is_drift(tmp_path):
+    drift = _judged(tmp_path, {**RUN_ENV, "torch": NIGHTLY}, rel=1e-7)
+    assert drift.label == "drift"
+    assert f"; torch {NIGHTLY} -> 2.13.0+cpu; passes the cross-environment tier: 5 steps within rtol=0.0001" in (
+        drift.detail
+    )
+    assert drift.extra["environment"] == {"changed": [f"torch {NIGHTLY} -> 2.13.0+cpu"], "unrecorded": []}
+    assert drift.extra["cross_env"]["status"] == "pass"
+    recorded = plan_golden("parity", CONFIG, PINNED, "check", tmp_path, CROSS_ENV, RUN_ENV).record()
+    assert GoldenPlan.from_record(json.loads(json.dumps(recorded))).fingerprint == RUN_ENV  # harness collect's
+
+
+@pytest.mark.parametrize(
+    ("recorded", "rel", "why"),
+    [
+        ({**RUN_ENV, "torch": NIGHTLY}, 1e-3, "; fails the cross-environment tier too: first divergence at step 0"),
+        (RUN_ENV, 1e-7, "; the environment is the golden's: the code moved it, within the cross-environment tier"),
+        ({}, 1e-7, "; the environment is the golden's (the golden does not record: cpu_isa unknown -> avx2, gpu "),
+    ],
+    ids=["far-off-in-another-environment", "near-in-the-same-environment", "near-under-a-golden-without-fingerprint"],
+)
+def test_a_bitwise_failure_is_a_regression_unless_it_is_drift(tmp_path, recorded, rel, why):
+    regression = _judged(tmp_path, recorded, rel)
+    assert regression.label == "regression" and why in regression.detail
+
+
+def test_a_shipped_golden_predates_the_fingerprint_loads_and_names_its_unknown_fields_as_no_change():
+    path = SOURCE_ROOT / "golden" / "parity" / "cpu-pinned-avx2-amd-gloo-float32-torch2.13.json"
+    shipped = load_golden(path).provenance
+    assert "mkl" not in shipped
+    same = {**RUN_ENV, "device": shipped["device"], "torch": shipped["torch"]}
+    changed, unrecorded = fingerprint_changes(shipped, same)
+    assert changed == [] and unrecorded == [
+        "cpu_isa unknown -> avx2", "gpu unknown -> null", "driver unknown -> null", "cuda unknown -> null",
+        "cudnn unknown -> null", "nccl unknown -> null", "mkl unknown -> 2024.2 build 20240605",
+        "onednn unknown -> 3.12.0", "python unknown -> 3.11.7",
+    ]  # fmt: skip
+    changed, _ = fingerprint_changes(shipped, {**same, "device": "cpu-pinned-avx2-intel"})
+    assert changed == ["device cpu-pinned-avx2-amd -> cpu-pinned-avx2-intel"]
+
+
+@pytest.mark.parametrize(
+    ("command", "rebless"),
+    [
+        (
+            "harness run parity --steps 3 --golden check --out /tmp/r --set arms.eager.lr=-1 --verbose",
+            "harness golden update parity --steps 3 --set arms.eager.lr=-1 --verbose",
+        ),
+        (
+            f"harness ci determinism {SOURCE_ROOT}/suites/parity.toml --retries=2 --golden-dir /g --cpu-isa native",
+            f"harness golden update {SOURCE_ROOT}/suites/parity.toml --golden-dir /g --cpu-isa native",
+        ),
+        (
+            "harness submit parity --nodes 2 --partition gpu --no-wait --device cuda --ranks 4",
+            "harness golden update parity --device cuda --ranks 4",
+        ),
+    ],
+    ids=["run", "gate", "slurm"],
+)
+def test_the_rebless_command_is_the_runs_own_as_a_golden_update(command, rebless):
+    assert rebless_command(command.split(), load_suite("parity")) == rebless

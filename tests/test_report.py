@@ -172,3 +172,29 @@ def test_html_shows_where_the_gradients_first_differ_beside_the_curve(tmp_path):
     figures = re.findall(r"<figure>.*?</figure>", html, re.S)
     assert where in figures[0] and "eager vs graph: loss" in figures[0]  # the loss curve
     assert all(where not in f for f in figures[1:])
+
+
+def test_drift_reads_apart_from_a_regression_on_the_console_in_junit_and_in_the_report(tmp_path):
+    m = metrics(perturb_at=5)
+    loss, grad_norm = checks_for(m)[:2]
+    line = "regression: 1 failed check: exact:grad_norm (1 more failed as drift: see their rows)"
+    s = summary([loss | {"label": "drift"}, grad_norm | {"label": "regression"}]) | {
+        "label": "regression",
+        "label_line": line,
+    }
+    lines = format_verdict_table(s).splitlines()
+    assert lines[0].startswith("parity: FAIL [regression] (exit 1) - 2 checks")
+    assert [row.split()[:2] for row in lines[1:3]] == [["DRIFT", "exact:loss"], ["FAIL", "exact:grad_norm"]]
+    assert format_verdict_table(s | {"label": "drift"}).startswith("parity: FAIL [drift: re-bless] (exit 1)")
+
+    write_junit(tmp_path / "junit.xml", s)
+    testsuite = ET.parse(tmp_path / "junit.xml").getroot().find("testsuite")
+    assert testsuite.find("properties/property[@name='label']").get("value") == "regression"
+    messages = [case.find("failure").get("message") for case in testsuite.findall("testcase")]
+    assert messages[0].startswith("drift: first divergence at step 5: eager=")
+    assert messages[1].startswith("regression: first divergence at step 5: eager=")
+
+    write_html(tmp_path / "report.html", s, m)
+    html = (tmp_path / "report.html").read_text()
+    assert "parity: FAIL [regression] (exit code 1)" in html and line in html
+    assert '<span class="label drift">(drift)</span>' in html and '<span class="label regression">' in html

@@ -21,6 +21,9 @@ def test_a_real_run_validates_and_an_undocumented_field_does_not(run_harness, tm
         SUMMARY_SCHEMA.validate({**summary, "undocumented": 1})
     with pytest.raises(jsonschema.ValidationError, match="'maybe' is not one of"):
         SUMMARY_SCHEMA.validate({**summary, "verdict": "maybe"})
+    assert summary["label"] is None  # a passing run is neither drift nor a regression
+    with pytest.raises(jsonschema.ValidationError, match="'flaky' is not one of"):
+        SUMMARY_SCHEMA.validate({**summary, "label": "flaky"})
     bad_check = {**summary["checks"][0], "status": "passed"}
     with pytest.raises(jsonschema.ValidationError):
         SUMMARY_SCHEMA.validate({**summary, "checks": [bad_check]})

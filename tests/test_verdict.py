@@ -1,15 +1,17 @@
 """What a run's checks add up to (harness/verdict.py): checks of arms a failed launch never ran are
 errors "not evaluated", left out of the exit code; a negative suite passes only when exactly its
-expected failures fail."""
+expected failures fail; a failed run is drift only when every failure is."""
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from pathlib import Path
 
 import pytest
 
 from harness.compare import CheckResult
+from harness.judge import regression_line
 from harness.launchers import LaunchGroup, LaunchResult, RankFailure
 from harness.records import ArmRecords, read_metrics_records
 from harness.report import format_verdict_table
@@ -17,11 +19,14 @@ from harness.report.checks import status_counts
 from harness.suites import SuiteError
 from harness.triage import BAD_INPUT
 from harness.verdict import (
+    DRIFT,
     EXIT_FAIL,
     EXIT_PASS,
     EXIT_USAGE,
     apply_expectations,
+    conclude,
     mark_not_evaluated,
+    run_label,
     unrun_arms,
     verdict_of,
 )
@@ -168,6 +173,19 @@ def test_the_console_folds_checks_not_evaluated_into_one_row() -> None:
     assert lines[1].split() == ["FAIL", "rank", "1", "raised", "rank", "1", "failed", "first"]
     assert lines[2].split() == ["ERROR", "2", "checks", "not", "evaluated", "arms", "'b':", "never", "ran"]
     assert lines[-1] == "0 passed, 1 failed, 2 errors (2 not evaluated), 0 skipped"
+
+
+def test_every_failure_is_a_regression_unless_its_family_labelled_it_drift() -> None:
+    drift = dataclasses.replace(_check("golden:a:loss", "fail"), label=DRIFT)
+    expected = dataclasses.replace(_check("b: agree", "xfail"), label=DRIFT)  # a negative suite's: not judged
+    checks, verdict, code = conclude([drift, _check("a vs b", "fail"), _check("a: agree", "pass"), expected], None, 1.0)
+    assert (verdict, code) == ("fail", EXIT_FAIL)  # drift never merges silently
+    assert [c.label for c in checks] == ["drift", "regression", None, None]
+    assert run_label(checks, verdict) == "regression"
+    assert regression_line(checks) == "regression: 1 failed check: a vs b (1 more failed as drift: see their rows)"
+    checks, verdict, code = conclude([drift, _check("a: agree", "pass")], None, 1.0)
+    assert (run_label(checks, verdict), code) == ("drift", EXIT_FAIL)
+    assert run_label(checks, "error") is None  # an error or a cancellation is not judged drift or regression
 
 
 SUBJECT_BUG_IN_PIPELINED = """

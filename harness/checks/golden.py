@@ -4,6 +4,16 @@ Every suite has this check, and no suite lists it: ``[golden]`` and ``--golden``
 (:mod:`harness.golden` plans it before the run), and the run plans it (:func:`golden_check`),
 except when ``--golden update`` records a new golden instead. With ``--golden off``, or no golden
 that applies, it is one ``skip`` saying why: "skip" never passes silently.
+
+**Drift or regression.** A check that fails its own golden's tier (exact, for every shipped suite)
+is judged again on the same records at the suite's cross-environment tier, and the golden's
+recorded environment is compared with this run's (golden.fingerprint_changes). It is labelled
+``drift`` when the cross-environment tier passes and the environment changed (``torch 2.13.0 ->
+2.13.1``): the toolchain moved the numbers, and the golden wants re-recording (:func:`drift_line`
+names the command). Otherwise it is a ``regression``: the loose tier fails too, or the environment
+is the golden's, so the code moved them. A field the golden predates is unknown, named, and no
+change. A check against another environment's golden is already at the cross-environment tier:
+its failure is a regression.
 """
 
 from __future__ import annotations
@@ -14,10 +24,12 @@ import pandas as pd
 
 from harness.checks.registry import CheckFamily, SuiteReader, register
 from harness.compare import CheckResult, Tier, compare_arms, tier_from_spec
-from harness.golden import Golden, GoldenPlan
+from harness.golden import Golden, GoldenPlan, fingerprint_changes
 from harness.records import RunRecords
 from harness.specs import ArmSpec, CheckSpec, SuiteSpec
 from harness.subject.protocol import METRICS
+from harness.triage import REGRESSION
+from harness.verdict import DRIFT
 
 KIND = "golden"
 
@@ -37,25 +49,68 @@ def run(check: CheckSpec, suite: SuiteSpec, records: RunRecords) -> list[CheckRe
     plan: GoldenPlan = check.options["plan"]
     if plan.mode == "off":
         return [CheckResult(KIND, KIND, "skip", plan.note or "not compared")]
-    return golden_checks(plan, {arm: rec.metrics for arm, rec in records.items()}, suite.steps)
+    return golden_checks(plan, {arm: rec.metrics for arm, rec in records.items()}, suite.steps, suite.golden_cross_env)
 
 
-def golden_checks(plan: GoldenPlan, metrics: dict[str, pd.DataFrame], steps: int) -> list[CheckResult]:
+def golden_checks(
+    plan: GoldenPlan, metrics: dict[str, pd.DataFrame], steps: int, cross_env_tier: dict | None = None
+) -> list[CheckResult]:
     """Compares the run with the planned golden on the run's steps; a cross-environment comparison
-    says which golden and tier in every detail."""
+    says which golden and tier in every detail. A check that fails its own golden is judged again at
+    ``cross_env_tier`` and labelled drift or regression (:func:`label_failure`)."""
     golden = plan.golden
     trimmed = Golden(
         golden.suite, golden.env_key, golden.provenance, golden.config, golden.tier,
         {arm: {m: s[s.index <= steps] for m, s in ms.items()} for arm, ms in golden.arms.items()},
     )  # fmt: skip
-    results = [
+
+    def compare(tier: dict) -> list[CheckResult]:
         # Named "golden:<arm>[:<metric>]"; grouped as golden checks in the report, whatever their tier.
-        replace(r, kind="golden", arms=[r.name.split(":")[1]])
-        for r in compare_to_golden(trimmed, metrics, tier_from_spec(plan.tier))
-    ]
-    if not plan.cross_env:
+        results = compare_to_golden(trimmed, metrics, tier_from_spec(tier))
+        return [replace(r, kind="golden", arms=[r.name.split(":")[1]]) for r in results]
+
+    results = compare(plan.tier)
+    if plan.cross_env:
+        return [replace(r, detail=f"cross-environment vs {golden.env_key}: {r.detail}") for r in results]
+    if cross_env_tier is None or all(r.status != "fail" for r in results):
         return results
-    return [replace(r, detail=f"cross-environment vs {golden.env_key}: {r.detail}") for r in results]
+    changed, unrecorded = fingerprint_changes(golden.provenance, plan.fingerprint or {})
+    return [
+        label_failure(own, loose, changed, unrecorded) if own.status == "fail" else own
+        for own, loose in zip(results, compare(cross_env_tier))
+    ]
+
+
+def label_failure(own: CheckResult, loose: CheckResult, changed: list[str], unrecorded: list[str]) -> CheckResult:
+    """A check that failed its golden's own tier, labelled by ``loose``, the same check at the
+    cross-environment tier, and the environment's ``changed`` and ``unrecorded`` fields
+    (golden.fingerprint_changes): drift when the loose tier passes and a field changed, else a
+    regression. The detail says why; ``extra`` keeps the loose judgement and the fields."""
+    if loose.status != "pass":
+        label, why = REGRESSION, f"fails the cross-environment tier too: {loose.detail}"
+    elif changed:
+        label, why = DRIFT, f"{', '.join(changed)}; passes the cross-environment tier: {loose.detail}"
+    else:
+        unknown = f" (the golden does not record: {', '.join(unrecorded)})" if unrecorded else ""
+        label, why = (
+            REGRESSION,
+            f"the environment is the golden's{unknown}: the code moved it, within the cross-environment tier",
+        )
+    extra = {
+        **own.extra,
+        "cross_env": {"status": loose.status, "detail": loose.detail},
+        "environment": {"changed": changed, "unrecorded": unrecorded},
+    }
+    return replace(own, detail=f"{own.detail}; {why}", label=label, extra=extra)
+
+
+def drift_line(checks: list[CheckResult], rebless: str) -> str:
+    """The console's last line of a run that failed by drift alone: what changed, and ``rebless``,
+    the command that re-records the golden and prints its diff for review (golden.rebless_command)."""
+    drifted = [c for c in checks if c.label == DRIFT]
+    changed = ", ".join(drifted[0].extra["environment"]["changed"])
+    moved = f"{changed} moved {len(drifted)} golden check{'s' if len(drifted) != 1 else ''}"
+    return f"drift: re-bless: {moved}, within the cross-environment tier; review the new golden: {rebless}"
 
 
 def compare_to_golden(golden: Golden, metrics: dict[str, pd.DataFrame], tier: Tier) -> list[CheckResult]:

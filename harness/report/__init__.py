@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from harness.report.checks import not_evaluated, problems_first, status_counts, tally, verdict_label
+from harness.report.checks import not_evaluated, problems_first, status_counts, status_label, tally, verdict_label
 from harness.report.html import write_html
 from harness.report.junit import write_junit
 from harness.report.throughput import improvement_note, read_throughput
@@ -16,10 +16,11 @@ def format_verdict_table(summary: dict) -> str:
 
     A throughput run whose B is much faster than its A says so under the verdict: that usually
     means the baseline moved, and a green line alone would hide it. Checks not evaluated (their arm
-    never ran) are one row, naming the arms: the launch's own row above says why.
+    never ran) are one row, naming the arms: the launch's own row above says why. A failed run's
+    verdict carries its label ("FAIL [drift: re-bless]"), and a check that failed by drift reads DRIFT.
     """
     checks = problems_first(summary.get("checks", []))
-    verdict, counts = verdict_label(summary.get("verdict")), tally(status_counts(checks))
+    verdict, counts = verdict_label(summary.get("verdict"), summary.get("label")), tally(status_counts(checks))
     shown = [c for c in checks if not not_evaluated(c)]
     unrun = [c for c in checks if not_evaluated(c)]
     throughput = summary.get("throughput") or {}
@@ -33,7 +34,7 @@ def format_verdict_table(summary: dict) -> str:
     )
     if note := improvement_note(throughput):
         head += f"\n  note: {note}"
-    rows = [(str(c.get("status", "?")).upper(), str(c.get("name", "?")), str(c.get("detail", ""))) for c in shown]
+    rows = [(status_label(c).upper(), str(c.get("name", "?")), str(c.get("detail", ""))) for c in shown]
     if unrun:
         arms = ", ".join(f"'{arm}'" for arm in dict.fromkeys(c["extra"][NOT_EVALUATED] for c in unrun))
         at = len([c for c in shown if c.get("status") in ("error", "fail")])  # after the problems

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from harness.verdict import FAILED_AS_EXPECTED, NOT_EVALUATED, STATUSES
+from harness.verdict import DRIFT, FAILED_AS_EXPECTED, NOT_EVALUATED, STATUSES
 
 PROBLEMS = frozenset({"error", "fail", "inconclusive"})
 
@@ -52,9 +52,19 @@ def tally(counts: dict[str, int]) -> str:
     )
 
 
-def verdict_label(verdict: object) -> str:
-    """A verdict as the console and the report headline show it: "FAILED AS EXPECTED", "PASS"."""
-    return "failed as expected".upper() if verdict == FAILED_AS_EXPECTED else str(verdict).upper()
+def verdict_label(verdict: object, label: object = None) -> str:
+    """A verdict as the console and the report headline show it: "FAILED AS EXPECTED", "PASS"; a
+    failed run with its label: "FAIL [drift: re-bless]", "FAIL [regression]"."""
+    shown = "failed as expected".upper() if verdict == FAILED_AS_EXPECTED else str(verdict).upper()
+    if not label:
+        return shown
+    return f"{shown} [{'drift: re-bless' if label == DRIFT else label}]"
+
+
+def status_label(check: dict) -> str:
+    """A check's status as the console's rows show it: "drift" for a failure labelled so, apart
+    from the failures that are regressions."""
+    return DRIFT if check.get("label") == DRIFT else str(check.get("status", "?"))
 
 
 @dataclass(frozen=True)

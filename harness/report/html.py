@@ -180,7 +180,7 @@ def write_html(
     ]
     html = _TEMPLATES.get_template("report.html").render(
         summary=summary,
-        verdict=verdict_label(summary.get("verdict")),
+        verdict=verdict_label(summary.get("verdict"), summary.get("label")),
         tally=tally(status_counts(checks)),
         groups=group_by_kind(checks),
         value_lines=_value_lines,

@@ -45,7 +45,8 @@ def junit_testsuite(summary: dict) -> ET.Element:
     "inconclusive:", never a silent pass; the run's exit code 4 is what tells CI to measure again.
     A negative suite's expected failure is skipped too, of type "xfail", its detail "failed as expected: ...".
     A check not evaluated (its arm never ran) is an error of type "not-evaluated", apart from the
-    launch's own error, which names the cause.
+    launch's own error, which names the cause. A failure's message starts with its label, "drift: "
+    or "regression: ", and a failed run's label is the testsuite's property ``label``.
     """
     suite = str(summary.get("suite", "harness"))
     checks = list(summary.get("checks", []))
@@ -62,6 +63,9 @@ def junit_testsuite(summary: dict) -> ET.Element:
         skipped=str(counts["skip"] + counts["inconclusive"] + counts["xfail"]),
         time=f"{float(summary.get('duration_s') or 0.0):.3f}",
     )
+    if summary.get("label"):
+        properties = ET.SubElement(testsuite, "properties")
+        ET.SubElement(properties, "property", name="label", value=_text(summary["label"]))
     for check in checks:
         case = ET.SubElement(
             testsuite, "testcase", classname=_text(suite), name=_text(check.get("name", "?")), time="0"
@@ -70,7 +74,8 @@ def junit_testsuite(summary: dict) -> ET.Element:
         detail = _text(check.get("detail", ""))
         if status in ("fail", "error"):
             kind = "not-evaluated" if not_evaluated(check) else check.get("kind", "")
-            element = ET.SubElement(case, "failure" if status == "fail" else "error", message=detail, type=_text(kind))
+            message = f"{check['label']}: {detail}" if check.get("label") else detail
+            element = ET.SubElement(case, "failure" if status == "fail" else "error", message=message, type=_text(kind))
             element.text = _text(_failure_body(check))
         elif status == "skip":
             ET.SubElement(case, "skipped", message=detail)
