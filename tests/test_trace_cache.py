@@ -293,24 +293,10 @@ name = "traced"
 description = "parity's graph arm alone"
 ranks = 2
 steps = 1
-
-[model]
-config = "cpu-tiny"
-
-[train]
-seed = 42
-routing = "forced-balanced"
-local_batch = 4
-seq_len = 32
-chunks = 2
-chunk_roots = "moe"
-chunk_dim = "batch"
-
-[arms.graph]
-chunking = "graph"
-
-[[checks]]
-kind = "token-exchange-invariants"
+model = { config = "cpu-tiny" }
+train = { seed = 42, routing = "forced-balanced", local_batch = 4, seq_len = 32, chunking = "graph", chunks = 2 }
+arms = { graph = {} }
+checks = [{ kind = "token-exchange-invariants" }]
 """
 
 
