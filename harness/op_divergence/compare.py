@@ -8,7 +8,13 @@ with bit-identical outputs. Each op left unaligned is then one of:
   only not here. A traced arm's scheduler may reorder chunks, or the other arm may make the same
   value with other ops (a graph's join ``add`` where eager autograd sums in place);
 * **opaque**: nothing to compare (no tensor output, or a placeholder of no defined content);
-* **divergent**: it has an output that the other arm never produced.
+* **divergent**: it has an output that the other arm never produced;
+* **healed**: divergent, but the difference reaches nothing the run leaves behind (parameters,
+  optimizer state): every path from it through divergent ops ends in a value both arms share, or
+  in a host-side check. Eager ``one_hot`` checks its indices with ``aminmax`` and ``item``, and
+  the traced graph checks them with ``ge``. Expert gradients summed in another order have
+  differing partial sums but the same total. A difference seen only by the host (a loss that is
+  reported but never trained on) therefore heals as well.
 
 The arms part at their divergent ops. The first divergent ops of each arm are aligned again, on
 structure alone (direction, op, output shapes). A pair is then the same op with different outputs
@@ -16,7 +22,8 @@ structure alone (direction, op, output shapes). A pair is then the same op with 
 together with every one-sided op before it in either arm. A missing op, such as a gradient ``add``
 that one arm lacks, comes before the first output it changes.
 
-**Ambiguous** matching: the ops left unaligned before the first divergence (elsewhere or opaque).
+**Ambiguous** matching: the ops left unaligned before the first divergence (elsewhere, opaque or
+healed).
 They are why the match is not op-for-op, and they are counted and located in the result.
 """
 
@@ -45,7 +52,7 @@ class Comparison:
     b: list[OpRecord]
     aligned: list[tuple[int, int]]  # (index in a, index in b), increasing in both
     gaps: list[tuple[int, int, int, int]]  # spans the alignment skipped: a[i1:i2] against b[j1:j2]
-    status_a: list[str]  # per op: "same", "elsewhere", "opaque", "differs", "only", "divergent"
+    status_a: list[str]  # per op: "same", "elsewhere", "opaque", "healed", "differs", "only", "divergent"
     status_b: list[str]
     pair: tuple[int, int] | None  # the first differing pair
     only_a: list[int]  # ops only a ran that differ from everything b made, before the first pair
@@ -102,7 +109,22 @@ def _statuses(records: list[OpRecord], aligned: set[int], other: list[OpRecord])
             statuses.append("opaque")
         else:
             statuses.append("elsewhere" if values <= made else "divergent")
+    _mark_healed(records, statuses)
     return statuses
+
+
+def _mark_healed(records: list[OpRecord], statuses: list[str]) -> None:
+    """Divergent ops whose difference reaches no persisting output through divergent ops become "healed"."""
+    readers: dict[int, list[int]] = {}
+    for r in records:
+        for source in r.inputs:
+            readers.setdefault(source, []).append(r.index)
+    live = [False] * len(records)
+    for r in reversed(records):  # an op's readers run after it
+        if statuses[r.index] == "divergent":
+            live[r.index] = r.persists or any(live[k] for k in readers.get(r.index, ()))
+            if not live[r.index]:
+                statuses[r.index] = "healed"
 
 
 def compare_ops(a: list[OpRecord], b: list[OpRecord]) -> Comparison:
@@ -169,7 +191,10 @@ def _summary(c: Comparison) -> str:
         i, j = c.pair
         parts.append(f"outputs differ: {_label(c.a[i])} (a#{i}, b#{j})")
     if not parts:
-        return f"no divergence: {len(c.aligned)} ops aligned with identical outputs, the rest found elsewhere or opaque"
+        return (
+            f"no divergence: {len(c.aligned)} ops aligned with identical outputs;"
+            " the rest occur elsewhere, carry no content or heal"
+        )
     return "; then ".join(parts)
 
 
@@ -180,15 +205,16 @@ def _matching(c: Comparison, cut_a: int, cut_b: int) -> dict[str, Any]:
         for side, statuses in (("a", c.status_a), ("b", c.status_b))
     }
     ambiguous = {
-        "a": sum(s in ("elsewhere", "opaque") for s in c.status_a[:cut_a]),
-        "b": sum(s in ("elsewhere", "opaque") for s in c.status_b[:cut_b]),
+        "a": sum(s in ("elsewhere", "opaque", "healed") for s in c.status_a[:cut_a]),
+        "b": sum(s in ("elsewhere", "opaque", "healed") for s in c.status_b[:cut_b]),
     }
     spans = [g for g in c.gaps if g[0] < cut_a or g[2] < cut_b]
     note = (
         "matched op for op up to the first divergence"
         if not spans
         else f"{len(spans)} unaligned spans before the first divergence hold {ambiguous['a']} ops of a and "
-        f"{ambiguous['b']} of b whose outputs occur elsewhere in the other arm or carry no content"
+        f"{ambiguous['b']} of b whose outputs occur elsewhere in the other arm, carry no content, or differ"
+        " without reaching the arm's state"
     )
     return {
         "method": "difflib.SequenceMatcher on (direction, op, output shapes, output hashes); divergent ops"

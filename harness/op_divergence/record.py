@@ -16,9 +16,13 @@ memory (``empty``). Three things are added here:
   while it runs the producing node, so such a sum is given that node's module. Ops of an FX graph
   run by :meth:`OpRecorder.interpret` take the module and direction of their node, from the
   ``nn_module_stack`` and ``autograd_backward`` metadata the trace wrote.
+* **Data flow.** Each op lists the ops that produced its tensor inputs (the last op that returned
+  or mutated each input), and whether an output of it is still alive when recording ends (a
+  parameter, an optimizer state: what the run leaves behind). A comparison uses them to tell a
+  difference that reaches the arm's state from one that heals or ends in a check.
 * **Bounded memory.** Each op keeps a few short strings and numbers: its output shapes, hashes and
-  absolute maxima, and no tensors. Only a capture pass (``capture=index``) clones tensors, and
-  only those of the one op it was asked for.
+  absolute maxima, and no tensors; the data flow is kept through weak references. Only a capture
+  pass (``capture=index``) clones tensors, and only those of the one op it was asked for.
 
 Only the recording thread is seen: dispatch modes are thread-local. A process that runs its
 logical ranks on pool threads must record each rank in a process of its own.
@@ -27,6 +31,7 @@ logical ranks on pool threads must record each rank in a process of its own.
 from __future__ import annotations
 
 import contextlib
+import gc
 import hashlib
 from collections.abc import Callable, Collection
 from dataclasses import asdict, dataclass
@@ -37,6 +42,7 @@ from torch import fx
 from torch.utils._debug_mode import DebugMode
 from torch.utils._dtype_abbrs import dtype_abbrs
 from torch.utils._pytree import tree_leaves
+from torch.utils.weak import WeakIdKeyDictionary
 
 
 @dataclass(frozen=True)
@@ -51,6 +57,8 @@ class OpRecord:
     outputs: tuple[str, ...]  # dtype and shape per tensor output, "f32[4, 32]"
     hashes: tuple[str | None, ...]  # per tensor output; None where the content means nothing
     absmax: tuple[float | None, ...]  # per tensor output; None for booleans, empty and opaque outputs
+    inputs: tuple[int, ...] = ()  # the ops whose outputs it read (the last writer of each tensor input)
+    persists: bool = False  # an output of it was still alive, and last written by it, when recording ended
 
     def describe(self) -> dict[str, Any]:
         """The record as plain JSON data."""
@@ -112,6 +120,7 @@ class OpRecorder:
         self.captured: list[torch.Tensor] | None = None
         self._node: fx.Node | None = None
         self._module_of_grad_fn: dict[int, str] = {}
+        self._writer: WeakIdKeyDictionary = WeakIdKeyDictionary()  # tensor -> the last op that returned it
         self._count = 0
         self._mode: DebugMode | None = None
         self._exit = contextlib.ExitStack()
@@ -126,8 +135,11 @@ class OpRecorder:
 
     def __exit__(self, *exc: object) -> None:
         self._exit.close()
-        self.records = [self._record(call) for call in self._mode.operators if "op_index" in (call.log or {})]
-        self._mode = None  # its call log holds argument strings for every op
+        gc.collect()  # what is still alive now is what the run keeps
+        persisting = set(self._writer.values())
+        calls = [call for call in self._mode.operators if "op_index" in (call.log or {})]
+        self.records = [self._record(call, persisting) for call in calls]
+        self._mode, self._writer = None, WeakIdKeyDictionary()  # the call log holds argument strings for every op
 
     def interpret(self, gm: fx.GraphModule) -> Callable[..., Any]:
         """``gm`` as a callable that runs it node by node, so that its ops get their nodes' module
@@ -141,6 +153,7 @@ class OpRecorder:
         tensors = [t for t in tree_leaves(result) if isinstance(t, torch.Tensor)]
         if self._count == self.capture:
             self.captured = [t.detach().clone() for t in tensors]
+        read = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor) and t in self._writer]
         module, backward = self._where()
         entry = {
             "op_index": self._count,
@@ -148,7 +161,10 @@ class OpRecorder:
             "where": (module, backward),
             "outputs": tuple(f"{dtype_abbrs[t.dtype]}[{', '.join(map(str, t.shape))}]" for t in tensors),
             "absmax": tuple(_absmax(t) for t in tensors),
+            "inputs": tuple(dict.fromkeys(self._writer[t] for t in read)),
         }
+        for t in tensors:
+            self._writer[t] = self._count
         self._count += 1
         return entry
 
@@ -166,7 +182,7 @@ class OpRecorder:
         self._module_of_grad_fn.setdefault(torch.autograd._get_sequence_nr() - 1, module)
         return module, False
 
-    def _record(self, call: Any) -> OpRecord:
+    def _record(self, call: Any, persisting: set[int]) -> OpRecord:
         log = call.log
         op = str(call.op)
         hashes = tuple(h for h in tree_leaves(log.get("hash")) if h is not None)
@@ -175,4 +191,7 @@ class OpRecorder:
         else:
             absmax = log["absmax"]
         module, backward = log["where"]
-        return OpRecord(log["op_index"], log["step"], op, module, backward, log["outputs"], hashes, absmax)
+        index = log["op_index"]
+        return OpRecord(
+            index, log["step"], op, module, backward, log["outputs"], hashes, absmax, log["inputs"], index in persisting
+        )
