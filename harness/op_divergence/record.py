@@ -126,6 +126,9 @@ class OpRecorder:
         self._exit = contextlib.ExitStack()
 
     def __enter__(self) -> OpRecorder:
+        # What exists now is not the run's: the collection at the end need not scan it.
+        gc.freeze()
+        self._exit.callback(gc.unfreeze)
         self._mode = self._exit.enter_context(
             DebugMode(record_nn_module=True, record_output=False, record_profiler_context=False)
         )
@@ -134,8 +137,8 @@ class OpRecorder:
         return self
 
     def __exit__(self, *exc: object) -> None:
-        self._exit.close()
         gc.collect()  # what is still alive now is what the run keeps
+        self._exit.close()
         persisting = set(self._writer.values())
         calls = [call for call in self._mode.operators if "op_index" in (call.log or {})]
         self.records = [self._record(call, persisting) for call in calls]
