@@ -16,7 +16,7 @@ from dataclasses import replace
 import pytest
 import torch
 
-from harness.op_divergence import ArmRun, OpRecorder, compare_ops, describe, first_op_divergence, record_arm
+from harness.op_divergence import ArmRun, OpRecord, OpRecorder, compare_ops, describe, first_op_divergence, record_arm
 from harness.reference.chunking import graph_step
 from harness.reference.chunking.graph import _Cloner, _mentions
 from harness.reference.model import TokenDispatcher
@@ -91,6 +91,29 @@ def test_records_attribute_ops_to_modules_both_ways_and_two_runs_of_an_arm_agree
     matching = result["matching"]
     assert matching["aligned"] == matching["ops"]["a"] == matching["ops"]["b"] == len(records)
     assert matching["ambiguous"] == {"a": 0, "b": 0} and matching["spans"] == 0
+
+
+def sums(*hashes: str, persisting: str) -> list[OpRecord]:
+    """Inputs x, y, z, then two adds with the given output hashes: the second sums the first and
+    what is left, and persists (a parameter the run keeps)."""
+    inputs = [
+        OpRecord(i, 0, "aten.clone.default", "", False, ("f32[4]",), (h,), (1.0,), (), False)
+        for i, h in enumerate("xyz")
+    ]
+    first = OpRecord(3, 0, "aten.add.Tensor", "m", True, ("f32[4]",), (hashes[0],), (1.0,), (0, 1), False)
+    total = OpRecord(4, 0, "aten.add.Tensor", "m", True, ("f32[4]",), (persisting,), (1.0,), (3, 2), True)
+    return [*inputs, first, total]
+
+
+def test_partial_sums_in_another_order_heal_unless_the_total_differs() -> None:
+    summed = sums("x+y", persisting="x+y+z")
+    reordered = describe(compare_ops(summed, sums("x+z", persisting="x+y+z")))
+    assert not reordered["diverged"] and reordered["matching"]["unaligned"]["a"] == {"healed": 1}
+    wrong = describe(compare_ops(summed, sums("x+z", persisting="x+z+z")))
+    assert wrong["diverged"] and (wrong["first_difference"]["a"]["index"], wrong["first_difference"]["b"]["index"]) == (
+        3,
+        3,
+    )
 
 
 def test_routed_scaling_applied_twice_is_named_at_the_routers_mul() -> None:

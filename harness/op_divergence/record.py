@@ -57,8 +57,8 @@ class OpRecord:
     outputs: tuple[str, ...]  # dtype and shape per tensor output, "f32[4, 32]"
     hashes: tuple[str | None, ...]  # per tensor output; None where the content means nothing
     absmax: tuple[float | None, ...]  # per tensor output; None for booleans, empty and opaque outputs
-    inputs: tuple[int, ...] = ()  # the ops whose outputs it read (the last writer of each tensor input)
-    persists: bool = False  # an output of it was still alive, and last written by it, when recording ended
+    inputs: tuple[int, ...]  # the ops whose outputs it read (the last writer of each tensor input)
+    persists: bool  # an output of it was still alive, and last written by it, when recording ended
 
     def describe(self) -> dict[str, Any]:
         """The record as plain JSON data."""
@@ -126,9 +126,7 @@ class OpRecorder:
         self._exit = contextlib.ExitStack()
 
     def __enter__(self) -> OpRecorder:
-        # What exists now is not the run's: the collection at the end need not scan it.
-        gc.freeze()
-        self._exit.callback(gc.unfreeze)
+        gc.freeze()  # what exists now is not the run's: the collection at the end need not scan it
         self._mode = self._exit.enter_context(
             DebugMode(record_nn_module=True, record_output=False, record_profiler_context=False)
         )
@@ -137,8 +135,11 @@ class OpRecorder:
         return self
 
     def __exit__(self, *exc: object) -> None:
-        gc.collect()  # what is still alive now is what the run keeps
-        self._exit.close()
+        try:
+            self._exit.close()
+            gc.collect()  # what is still alive now is what the run keeps
+        finally:
+            gc.unfreeze()
         persisting = set(self._writer.values())
         calls = [call for call in self._mode.operators if "op_index" in (call.log or {})]
         self.records = [self._record(call, persisting) for call in calls]
