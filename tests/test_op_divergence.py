@@ -93,27 +93,27 @@ def test_records_attribute_ops_to_modules_both_ways_and_two_runs_of_an_arm_agree
     assert matching["ambiguous"] == {"a": 0, "b": 0} and matching["spans"] == 0
 
 
-def sums(*hashes: str, persisting: str) -> list[OpRecord]:
-    """Inputs x, y, z, then two adds with the given output hashes: the second sums the first and
-    what is left, and persists (a parameter the run keeps)."""
+def sums(partial: str, total: str) -> list[OpRecord]:
+    """Three inputs, then two adds with these output hashes: a partial sum, then the total, which
+    persists (as a parameter's update does)."""
     inputs = [
         OpRecord(i, 0, "aten.clone.default", "", False, ("f32[4]",), (h,), (1.0,), (), False)
         for i, h in enumerate("xyz")
     ]
-    first = OpRecord(3, 0, "aten.add.Tensor", "m", True, ("f32[4]",), (hashes[0],), (1.0,), (0, 1), False)
-    total = OpRecord(4, 0, "aten.add.Tensor", "m", True, ("f32[4]",), (persisting,), (1.0,), (3, 2), True)
-    return [*inputs, first, total]
+    add = dict(step=0, op="aten.add.Tensor", module="m", backward=True, outputs=("f32[4]",), absmax=(1.0,))
+    return [
+        *inputs,
+        OpRecord(index=3, hashes=(partial,), inputs=(0, 1), persists=False, **add),
+        OpRecord(index=4, hashes=(total,), inputs=(3, 2), persists=True, **add),
+    ]
 
 
 def test_partial_sums_in_another_order_heal_unless_the_total_differs() -> None:
-    summed = sums("x+y", persisting="x+y+z")
-    reordered = describe(compare_ops(summed, sums("x+z", persisting="x+y+z")))
+    reordered = describe(compare_ops(sums("x+y", "x+y+z"), sums("x+z", "x+y+z")))
     assert not reordered["diverged"] and reordered["matching"]["unaligned"]["a"] == {"healed": 1}
-    wrong = describe(compare_ops(summed, sums("x+z", persisting="x+z+z")))
-    assert wrong["diverged"] and (wrong["first_difference"]["a"]["index"], wrong["first_difference"]["b"]["index"]) == (
-        3,
-        3,
-    )
+    wrong = describe(compare_ops(sums("x+y", "x+y+z"), sums("x+z", "x+z+z")))
+    pair = wrong["first_difference"]
+    assert wrong["diverged"] and pair["a"]["index"] == pair["b"]["index"] == 3  # the partial sum, where they part
 
 
 def test_routed_scaling_applied_twice_is_named_at_the_routers_mul() -> None:
@@ -189,6 +189,7 @@ def test_graph_join_keeping_only_the_last_chunk_is_named_at_the_add_the_graph_la
     first = result["first_op"]
     assert first["kind"] == "only in a" and first["b"] is None
     assert first["a"]["op"] in ("aten.add.Tensor", "aten.add_.Tensor") and first["a"]["backward"]
+    assert first["a"]["module"].startswith("model.layers.2.mlp")  # backward reaches the last MoE layer first
     assert result["only_in_a"][0] == first["a"] and result["only_in_b"] == []
     row = first_row(result)
     assert row["a"]["index"] == first["a"]["index"] and row["b"] is None
