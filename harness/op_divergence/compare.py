@@ -1,5 +1,9 @@
 """Where two recorded op sequences part: ops matched by their place in the sequence, judged by content.
 
+DebugMode's ``check_hash_mismatches`` compares two logs op for op and refuses two sequences of
+different structure, and an eager and a traced arm always have different structure. The two
+sequences are therefore aligned first.
+
 difflib's ``SequenceMatcher`` first aligns the two sequences on everything an op shows: direction,
 op, output shapes and output hashes. An aligned pair is an op both arms ran, in the same place,
 with bit-identical outputs. Each op left unaligned is then one of:
@@ -23,8 +27,7 @@ together with every one-sided op before it in either arm. A missing op, such as 
 that one arm lacks, comes before the first output it changes.
 
 **Ambiguous** matching: the ops left unaligned before the first divergence (elsewhere, opaque or
-healed).
-They are why the match is not op-for-op, and they are counted and located in the result.
+healed). They are why the match is not op-for-op, and they are counted and located in the result.
 """
 
 from __future__ import annotations
@@ -60,10 +63,10 @@ class Comparison:
 
     def first(self) -> tuple[int | None, int | None] | None:
         """Where the arms first part, as (index in a, index in b); None on the side with no op there."""
-        events = [(self._anchor(i, None), 0, (i, None)) for i in self.only_a[:1]]
-        events += [(self._anchor(None, j), 1, (None, j)) for j in self.only_b[:1]]
+        events = [(self.anchor(i, None), 0, (i, None)) for i in self.only_a[:1]]
+        events += [(self.anchor(None, j), 1, (None, j)) for j in self.only_b[:1]]
         if self.pair is not None:  # a one-sided op at the same anchor ran before the pair: it is listed before it
-            events.append((self._anchor(*self.pair), 2, self.pair))
+            events.append((self.anchor(*self.pair), 2, self.pair))
         return min(events)[2] if events else None
 
     def cuts(self) -> tuple[int, int]:
@@ -76,7 +79,7 @@ class Comparison:
         last_a, last_b = before[-1] if before else (-1, -1)
         return (i if i is not None else last_a + 1), (j if j is not None else last_b + 1)
 
-    def _anchor(self, i: int | None, j: int | None) -> int:
+    def anchor(self, i: int | None, j: int | None) -> int:
         """How many aligned pairs ran before this op (the earlier count of a pair's two ops)."""
         counts = []
         if i is not None:
@@ -153,7 +156,15 @@ def compare_ops(a: list[OpRecord], b: list[OpRecord]) -> Comparison:
 
 
 def describe(c: Comparison, *, context: int = CONTEXT) -> dict[str, Any]:
-    """The comparison as plain JSON data: the first divergence, the matching and a window of both sequences."""
+    """The comparison as plain JSON data.
+
+    ``diverged`` and a one-line ``summary``; ``first_op``, the earliest op where the arms part
+    (``kind`` "outputs differ", "only in a" or "only in b", with the op of each side or None);
+    ``first_difference``, the first pair of one op with different outputs; ``only_in_a`` and
+    ``only_in_b``, the one-sided ops before it; ``matching``, how the sequences were matched and how
+    ambiguously; ``window``, rows of both sequences around ``first_op`` (the row marked ``first``).
+    Ops appear as :meth:`OpRecord.describe` gives them, in the window in brief with their status.
+    """
     first = c.first()
     cut_a, cut_b = c.cuts()
     result: dict[str, Any] = {
@@ -253,7 +264,7 @@ def _window(c: Comparison, first: tuple[int | None, int | None], context: int) -
     a half row per op that has no counterpart at this place."""
     partner_a = dict(c.aligned + ([c.pair] if c.pair else []))
     partner_b = {j: i for i, j in partner_a.items()}
-    anchor = c._anchor(*first)
+    anchor = c.anchor(*first)
     i, j = c.aligned[anchor - context] if anchor >= context else (0, 0)
     rows: list[dict[str, Any]] = []
     hit: int | None = None

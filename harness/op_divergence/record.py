@@ -89,7 +89,12 @@ def _innermost(node: fx.Node) -> str:
 
 
 class _NodeInterpreter(fx.Interpreter):
-    """Runs a graph node by node, telling the recorder which node each op belongs to."""
+    """Runs a graph node by node, telling the recorder which node each op belongs to.
+
+    DebugMode's own ``DebugInterpreter`` serves ``torch.compile`` regions (``aot_eager``) and
+    tracks modules only. A plain FX graph needs nothing compiled, and the recorder needs each
+    node's direction as well.
+    """
 
     def __init__(self, gm: fx.GraphModule, recorder: OpRecorder) -> None:
         super().__init__(gm)
