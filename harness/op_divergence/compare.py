@@ -220,12 +220,13 @@ def _matching(c: Comparison, cut_a: int, cut_b: int) -> dict[str, Any]:
         "b": sum(s in ("elsewhere", "opaque", "healed") for s in c.status_b[:cut_b]),
     }
     spans = [g for g in c.gaps if g[0] < cut_a or g[2] < cut_b]
+    scope = "in the whole run" if c.first() is None else "before the first divergence"
     note = (
-        "matched op for op up to the first divergence"
+        f"matched op for op {scope}"
         if not spans
-        else f"{len(spans)} unaligned spans before the first divergence hold {ambiguous['a']} ops of a and "
-        f"{ambiguous['b']} of b whose outputs occur elsewhere in the other arm, carry no content, or differ"
-        " without reaching the arm's state"
+        else f"{len(spans)} unaligned spans {scope} hold {ambiguous['a']} ops of a and {ambiguous['b']} of b"
+        " whose outputs occur elsewhere in the other arm, carry no content, or differ without reaching the"
+        " arm's state"
     )
     return {
         "method": "difflib.SequenceMatcher on (direction, op, output shapes, output hashes); divergent ops"
