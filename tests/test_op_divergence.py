@@ -195,3 +195,9 @@ def test_graph_join_keeping_only_the_last_chunk_is_named_at_the_add_the_graph_la
     assert row["a"]["index"] == first["a"]["index"] and row["b"] is None
     # Eager and traced sequences differ: the result states how ambiguous the matching was up to there.
     assert result["matching"]["ambiguous"]["a"] + result["matching"]["ambiguous"]["b"] > 0
+
+
+def test_an_arm_that_recorded_no_op_is_refused_not_called_equal() -> None:
+    """Two empty recordings agree trivially: the comparison must say nothing was compared."""
+    with pytest.raises(ValueError, match="arm a recorded no op"):
+        compare_ops([], [])

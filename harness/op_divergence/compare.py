@@ -131,7 +131,11 @@ def _mark_healed(records: list[OpRecord], statuses: list[str]) -> None:
 
 
 def compare_ops(a: list[OpRecord], b: list[OpRecord]) -> Comparison:
-    """Match two recorded sequences (indices must run 0, 1, ... as recorded) and find where they part."""
+    """Match two recorded sequences (indices must run 0, 1, ... as recorded) and find where they part.
+    An arm that recorded no op is refused: "no divergence" must mean ops were compared."""
+    for side, records in (("a", a), ("b", b)):
+        if not records:
+            raise ValueError(f"arm {side} recorded no op: nothing to compare (was the recorder on its thread?)")
     content = SequenceMatcher(None, [_content(r) for r in a], [_content(r) for r in b], autojunk=False)
     aligned = [(i + k, j + k) for i, j, n in content.get_matching_blocks() for k in range(n)]
     gaps = [(i1, i2, j1, j2) for tag, i1, i2, j1, j2 in content.get_opcodes() if tag != "equal"]
