@@ -135,13 +135,22 @@ def build_parser() -> argparse.ArgumentParser:
         "abba",
         help="time arm B against arm A in ABBA blocks and gate on the slowdown",
         description="Step time of arm B over arm A, in A B B A blocks in the same rank processes, with a"
-        " Student-t interval. Exit 0: B is not slower beyond --max-slowdown; 1: it is, with confidence;"
-        " 4: inconclusive (the interval straddles the threshold: rerun with more --blocks).",
+        " an interval that holds after any number of blocks, so that it may stop as soon as it clears the"
+        " threshold. Exit 0: B is not slower beyond --max-slowdown; 1: it is, with confidence;"
+        " 4: inconclusive (the interval still straddles the threshold when the blocks or the budget ran out).",
     )
     _add_run_arguments(abba, steps_help="timed steps per block position (default 5)")
     abba.add_argument("--a", metavar="ARM", help="the baseline arm (default: the suite's [throughput] a)")
     abba.add_argument("--b", metavar="ARM", help="the arm under test; may be A itself (a second copy)")
-    abba.add_argument("--blocks", metavar="K", help="ABBA blocks (default 4; at least 2)")
+    abba.add_argument(
+        "--blocks",
+        metavar="K|auto",
+        help="ABBA blocks: auto (default) stops once the interval clears the threshold; K (>= 2) runs exactly K",
+    )
+    abba.add_argument("--max-blocks", metavar="N", help="with --blocks auto: stop after N blocks (default 100)")
+    abba.add_argument(
+        "--budget-s", metavar="S", help="with --blocks auto: stop after S seconds of measuring (default 300)"
+    )
     abba.add_argument("--warmup", metavar="W", help="untimed steps per arm after its build (default 2)")
     abba.add_argument(
         "--max-slowdown", metavar="F", help="the gate: B/A step time at most 1 + F, with confidence (default 0.05)"
@@ -226,7 +235,7 @@ SLURM_FLAGS = {
 
 
 # harness abba's flags that set [throughput] fields of the same name (--steps sets throughput.steps).
-_ABBA_FIELDS = ("a", "b", "blocks", "warmup", "max_slowdown")
+_ABBA_FIELDS = ("a", "b", "blocks", "max_blocks", "budget_s", "warmup", "max_slowdown")
 
 
 def _overrides(args: argparse.Namespace) -> list[tuple[str, str]]:
@@ -246,8 +255,9 @@ def _overrides(args: argparse.Namespace) -> list[tuple[str, str]]:
 
 
 def _toml(flag: str, value: str) -> str:
-    """Arm names are TOML strings; numbers stay as typed, so the validator reports "two" as not an int."""
-    return f'"{value}"' if flag in ("a", "b") else value
+    """Arm names and ``--blocks auto`` are TOML strings; numbers stay as typed, so the validator
+    reports "two" as not an int."""
+    return f'"{value}"' if flag in ("a", "b") or (flag == "blocks" and value == "auto") else value
 
 
 def _run(args: argparse.Namespace, argv: list[str], golden: str) -> int:

@@ -16,11 +16,13 @@ from dataclasses import dataclass, field
 from typing import TextIO
 
 from harness.cancel import Cancelled
-from harness.launchers import GroupLauncher, LaunchContext, LaunchResult
+from harness.launchers import GroupLauncher, LaunchContext, LaunchGroup, LaunchResult
 from harness.phases import cache_notes, read_rank_phases
 from harness.prepare import PreparedRun
 from harness.progress import BlockProgress, Progress
+from harness.records import read_jsonl
 from harness.rundir import THROUGHPUT, arm_files
+from harness.throughput import stop_reason
 
 log = logging.getLogger("harness")
 
@@ -53,7 +55,7 @@ def launch_run(run: PreparedRun, launch: GroupLauncher, out: TextIO, err: TextIO
                     result = launch(group, context)
                 log.info("group %s: %s", group.name, result.headline or "ok")
                 launched.results.append(result)
-                if not result.ok:
+                if not result.ok or _measured_enough(run, group):
                     break
     except Cancelled as c:
         launched.cancelled = c
@@ -69,11 +71,20 @@ def launch_run(run: PreparedRun, launch: GroupLauncher, out: TextIO, err: TextIO
     return launched
 
 
+def _measured_enough(run: PreparedRun, group: LaunchGroup) -> bool:
+    """Whether a throughput run of one launch per block position may stop after ``group``
+    (harness/throughput.py's stop rule; a run in shared processes stops inside its one launch)."""
+    spec = run.suite.throughput
+    if spec is None or not spec.adaptive or len(group.measurements) != 1:
+        return False
+    return stop_reason(spec, read_jsonl(run.run_dir / THROUGHPUT)) is not None
+
+
 def _progress(run: PreparedRun, out: TextIO) -> Progress | BlockProgress:
     """The live progress of a run: per arm, or per ABBA role of a throughput run."""
     spec, verbose = run.suite.throughput, run.options.verbose
     metrics = {arm: arm_files(run.run_dir, arm).metrics for group in run.groups for arm in group.arms}
     if spec:
         roles = {"A": spec.a, "B": spec.b, **({"control": spec.a} if spec.control else {})}
-        return BlockProgress(run.run_dir / THROUGHPUT, roles, spec.blocks, out, verbose)
+        return BlockProgress(run.run_dir / THROUGHPUT, roles, spec.planned_blocks, out, verbose, spec.adaptive)
     return Progress(metrics, run.suite.steps, out, verbose)

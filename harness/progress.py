@@ -244,13 +244,21 @@ class BlockProgress:
 
     ``arms`` maps a role to its arm: "A" and "B" (the main series), and "control" when the A/A
     control runs (its lines are series "control", both of its roles on the one line);
-    ``throughput`` is the run's throughput.jsonl.
+    ``throughput`` is the run's throughput.jsonl; ``blocks`` the most it may measure, and with
+    ``adaptive`` ("auto") it may stop before: the counter reads "block k/≤K".
     """
 
     def __init__(
-        self, throughput: Path, arms: dict[str, str], blocks: int, stream: TextIO = sys.stdout, verbose: bool = False
+        self,
+        throughput: Path,
+        arms: dict[str, str],
+        blocks: int,
+        stream: TextIO = sys.stdout,
+        verbose: bool = False,
+        adaptive: bool = False,
     ) -> None:
         self.arms, self.blocks, self.stream = arms, blocks, stream
+        self._of = f"≤{blocks}" if adaptive else str(blocks)
         self._throughput = _JsonlTail(throughput)
         self._step_times: dict[str, list[float]] = {role: [] for role in arms}
         self._last_block = dict.fromkeys(arms, 0)
@@ -259,7 +267,7 @@ class BlockProgress:
         self._closed = False
         if self._live:
             for role in arms:  # every arm's ranks start together, and measure in turn
-                self._live.update(self._label(role), "starting", total=self._total(role), counter=f"block 0/{blocks}")
+                self._live.update(self._label(role), "starting", total=self._total(role), counter=f"block 0/{self._of}")
             self._live.refresh()
 
     def _label(self, role: str) -> str:
@@ -281,7 +289,7 @@ class BlockProgress:
             if self._live:
                 self._show(role)
             else:
-                print(_measurement_line(record, self.blocks), file=self.stream, flush=True)
+                print(_measurement_line(record, self._of), file=self.stream, flush=True)
         if self._live:
             self._live.refresh()
 
@@ -291,7 +299,7 @@ class BlockProgress:
             self._label(role),
             "done" if len(times) >= self._total(role) else "running",
             completed=len(times),
-            counter=f"block {self._last_block[role]}/{self.blocks}",
+            counter=f"block {self._last_block[role]}/{self._of}",
             detail=f"last {times[-1]:.4f}s median {statistics.median(times):.4f}s per step",
         )
 
@@ -308,7 +316,7 @@ class BlockProgress:
         self._live.close()
 
 
-def _measurement_line(record: dict, blocks: int) -> str:
+def _measurement_line(record: dict, blocks: str) -> str:
     where = f"[{record.get('series')} {record.get('role')} {record.get('arm')}]"
     block = f"block {record.get('block')}/{blocks} position {record.get('position')}"
     times = f"step_time_s={record.get('step_time_s')} tokens_per_s={record.get('tokens_per_s')}"

@@ -84,11 +84,24 @@ class ThroughputSpec:
 
     a: str
     b: str
-    blocks: int = 4
+    # "auto": blocks until the gate's interval clears its threshold, at most ``max_blocks`` and
+    # ``budget_s`` seconds of measuring (harness/throughput.py); a number: exactly that many.
+    blocks: int | str = "auto"
+    max_blocks: int = 100
+    budget_s: float = 300.0
     steps: int = 5  # timed steps per block position
     warmup: int = 2  # untimed steps per arm copy, after its build
     max_slowdown: float = 0.05  # the gate: B/A step time must stay at or under 1 + this
     control: bool = False  # also measure A against a second copy of A: the noise floor
+
+    @property
+    def adaptive(self) -> bool:
+        return self.blocks == "auto"
+
+    @property
+    def planned_blocks(self) -> int:
+        """The most blocks the run may measure."""
+        return self.max_blocks if self.adaptive else int(self.blocks)
 
 
 @dataclass(frozen=True)

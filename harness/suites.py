@@ -324,7 +324,8 @@ class _Validator:
 
     def throughput(self, raw: Any, arms: dict[str, ArmSpec]) -> ThroughputSpec:
         """[throughput]: arms ``a`` and ``b`` (the same arm measures it against a copy of itself),
-        ABBA ``blocks`` (>= 2: an interval needs two), timed ``steps`` per block position,
+        ABBA ``blocks`` ("auto", the default, or a number >= 2: an interval needs two) with
+        ``max_blocks`` and ``budget_s`` bounding "auto", timed ``steps`` per block position,
         ``warmup`` steps, ``max_slowdown`` (the gate) and ``control`` (an A/A null control)."""
         fields = {f.name: f for f in dataclasses.fields(ThroughputSpec)}
         table = self.table(raw, "throughput", tuple(fields))
@@ -337,9 +338,15 @@ class _Validator:
                 raise self.error(
                     f"throughput.{key}", f"arm {show(values[key])} trains in lockstep with an oracle: not timed"
                 )
-        for key, lo in (("blocks", 2), ("steps", 1), ("warmup", 0)):
+        if "blocks" in table:
+            blocks = values["blocks"] = table["blocks"]
+            if blocks != "auto" and (isinstance(blocks, bool) or not isinstance(blocks, int) or blocks < 2):
+                raise self.error("throughput.blocks", f'expected "auto" or an int >= 2, got {show(blocks)}')
+        for key, lo in (("max_blocks", 2), ("steps", 1), ("warmup", 0)):
             if key in table:
                 values[key] = self.int_(table[key], f"throughput.{key}", lo)
+        if "budget_s" in table:
+            values["budget_s"] = self.typed(table["budget_s"], "throughput.budget_s", float, True)
         if "max_slowdown" in table:
             values["max_slowdown"] = self.typed(table["max_slowdown"], "throughput.max_slowdown", float, False)
         if "control" in table:

@@ -60,6 +60,7 @@ from harness.rundir import THROUGHPUT, ArmFiles, arm_files, phases_file
 from harness.specs import ArmSpec, DebugSpec, SuiteSpec
 from harness.subject import Subject, subject_of
 from harness.subject.protocol import Arm, ArmContext, RankUpdate, StepRecord
+from harness.throughput import stop_reason
 
 _PR_SET_PDEATHSIG = 1
 # The harness process (the elastic agent) exports its pid, so a rank can tell it was orphaned.
@@ -446,28 +447,36 @@ def measure_throughput(
             for copy in copies.values():
                 copy.run(spec.warmup)
         writer = stack.enter_context(JsonlWriter(run_dir / THROUGHPUT)) if dist.get_rank() == 0 else None
+        rows: list[dict] = []
         with phases.phase("blocks"):
             for m in measurements:
                 timed = copies[m["copy"]]
                 first_step = timed.next_step
                 seconds, peak, tokens = _timed(timed, spec.steps, device)
-                worst = torch.tensor([seconds, float(peak)], dtype=torch.float64, device=device)
+                worst = torch.tensor([seconds, float(peak), time.time()], dtype=torch.float64, device=device)
                 dist.all_reduce(worst, op=dist.ReduceOp.MAX)
-                seconds, peak = worst.tolist()
+                seconds, peak, end_time = worst.tolist()
                 print(f"[{m['series']} block {m['block']} {m['role']}: {m['arm']}] {seconds:.4f} s", flush=True)
+                rows.append(
+                    {
+                        **m,
+                        "steps": spec.steps,
+                        "first_step": first_step,
+                        "seconds": seconds,
+                        "step_time_s": seconds / spec.steps,
+                        "tokens_per_s": tokens / seconds,
+                        "peak_memory_bytes": int(peak),
+                        "timing": "cuda-events" if device == "cuda" else "wall",
+                        "end_time": end_time,
+                    }
+                )
                 if writer is not None:
-                    writer.write(
-                        {
-                            **m,
-                            "steps": spec.steps,
-                            "first_step": first_step,
-                            "seconds": seconds,
-                            "step_time_s": seconds / spec.steps,
-                            "tokens_per_s": tokens / seconds,
-                            "peak_memory_bytes": int(peak),
-                            "timing": "cuda-events" if device == "cuda" else "wall",
-                        }
-                    )
+                    writer.write(rows[-1])
+                # Every rank holds the same reduced rows, so every rank reaches the same answer.
+                reason = stop_reason(spec, rows)
+                if reason:
+                    print(f"[throughput] stopped: {reason}", flush=True)
+                    break
 
 
 @functools.partial(record, error_handler=ErrorFileInRoom())

@@ -103,11 +103,15 @@ def test_the_control_is_plotted_and_tabled_beside_the_main_series(tmp_path: Path
 
 
 def test_the_blocks_table_holds_every_measurement_and_each_block_ratio(tmp_path: Path) -> None:
-    summary = write_throughput_run(tmp_path, blocks=3, a_step_s=0.08, b_step_s=0.09)
+    summary = write_throughput_run(tmp_path, blocks=5, a_step_s=0.08, b_step_s=0.09)
     html = section(render(tmp_path))
     cells = re.findall(r'<td class="num" rowspan="4">([^<]+)</td>', html)
-    assert cells == [f"{r:.3f}" for r in summary["throughput"]["per_block_ratios"]]
-    assert html.count("<td>main</td>") == 12
+    measured = summary["throughput"]
+    assert cells[::2] == [f"{r:.3f}" for r in measured["per_block_ratios"]]
+    # Beside each block, the interval after it: unbounded until 4 blocks, then finite.
+    assert cells[1::2][:3] == ["[0.000, ∞]"] * 3
+    assert cells[1::2][3:] == [f"[{i['low']:.3f}, {i['high']:.3f}]" for i in measured["sequence"][3:]]
+    assert html.count("<td>main</td>") == 20
     assert "150.0 MiB" in html and "120.0 MiB" in html  # peak memory per arm
     assert image_width(html, "step time per measurement") > 0
 

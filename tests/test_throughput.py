@@ -40,8 +40,8 @@ warmup = 2
 """
 
 
-def _suite(tmp_path: Path, blocks: int = 4, steps: int = 4, extra: str = "", **throughput: object):
-    text = SUITE.format(blocks=blocks, steps=steps, extra=extra)
+def _suite(tmp_path: Path, blocks: int | str = 4, steps: int = 4, extra: str = "", **throughput: object):
+    text = SUITE.format(blocks=json.dumps(blocks), steps=steps, extra=extra)
     text += "".join(f"{key} = {json.dumps(value)}\n" for key, value in throughput.items())
     return suite_from(tmp_path, text)
 
@@ -97,7 +97,7 @@ def _judge(tmp_path: Path, rows: list[dict], **throughput: object) -> CheckResul
 @pytest.mark.parametrize(
     ("ratios", "status"),
     [
-        ([1.00, 1.01, 0.99, 1.00], "pass"),
+        ([1.00, 1.005, 0.995, 1.00], "pass"),
         ([1.30, 1.31, 1.29, 1.30], "fail"),
         ([1.05, 1.07, 1.03, 1.05], "inconclusive"),  # the interval straddles 1 + 0.05
         ([0.90, 1.20, 0.95, 1.15], "inconclusive"),  # too noisy to say
@@ -126,7 +126,7 @@ def test_big_improvement_is_flagged(tmp_path: Path) -> None:
 
 
 def test_a_control_beyond_the_threshold_makes_the_verdict_inconclusive(tmp_path: Path) -> None:
-    main = _rows([1.00, 1.01, 0.99, 1.00])
+    main = _rows([1.00, 1.005, 0.995, 1.00])
     quiet = _judge(tmp_path, main + _rows([1.0, 1.0, 1.0, 1.0], "control"), control=True)
     assert quiet.status == "pass" and quiet.extra["throughput"]["control"]["ratio"] == pytest.approx(1.0)
     shaky = _judge(tmp_path, main + _rows([1.2, 1.21, 1.19, 1.2], "control"), control=True)
@@ -134,9 +134,10 @@ def test_a_control_beyond_the_threshold_makes_the_verdict_inconclusive(tmp_path:
 
 
 def test_partial_blocks_are_left_out_and_too_few_are_an_error(tmp_path: Path) -> None:
-    rows = _rows([1.0, 1.0, 1.0])
-    partial = _judge(tmp_path, rows[:-1])  # the last block lost its final A
-    assert partial.extra["throughput"]["blocks"] == 2 and partial.status == "pass"
+    rows = _rows([1.0, 1.0, 1.0, 1.0, 1.0])
+    partial = _judge(tmp_path, rows[:-1], blocks=5)  # the last block lost its final A
+    assert partial.extra["throughput"]["blocks"] == 4 and partial.status == "pass"
+    assert partial.extra["throughput"]["stopped"] == "cut short after 4 of 5 blocks"
     too_few = _judge(tmp_path, rows[:7])
     assert too_few.status == "error" and "1 complete ABBA block(s) of 4" in too_few.detail
     assert _judge(tmp_path, []).status == "error"
@@ -165,9 +166,10 @@ def test_planted_slowdown_decides_the_gate(
     run_harness, tmp_path: Path, slow_arm: str, exit_code: int, verdict: str
 ) -> None:
     # Every step of the slowed arm sleeps its own duration again: B/A near 2 when B is slowed, near
-    # 0.5 when A is. A CI machine busy with other tests has seen 50% read as 1.23 [0.88, 1.72].
+    # 0.5 when A is. Blocks run until the interval clears the threshold: a CI machine busy with
+    # other tests has read 50% as 1.23 [0.88, 1.72] after 6 blocks, which more blocks then decide.
     path = tmp_path / "suite.toml"
-    _suite(tmp_path, blocks=8, steps=4)
+    _suite(tmp_path, blocks="auto", steps=4, max_blocks=60)
     out = tmp_path / "run"
     slowdown = ("--set", f"debug.slow_arm={slow_arm}", "--set", "debug.slow_fraction=1.0")
     run = run_harness("run", path, *slowdown, "--out", out)
@@ -175,12 +177,55 @@ def test_planted_slowdown_decides_the_gate(
     assert run.returncode == exit_code, run.stdout + run.stderr
     assert summary["exit_code"] == exit_code and verdict in run.stdout
     measured = summary["throughput"]
+    blocks = measured["blocks"]
+    assert measured["stopped"] == f"the interval cleared the threshold after {blocks} blocks" and blocks < 60
+    assert len(_throughput_rows(out)) == 4 * blocks and [i["blocks"] for i in measured["sequence"]] == [
+        *range(1, blocks + 1)
+    ]
+    assert measured["sequence"][-1]["low"] == measured["low"] and measured["sequence"][-1]["high"] == measured["high"]
+    # The block before the last had not decided: the run stopped at the first block that did.
+    before = measured["sequence"][-2]
+    assert before["low"] <= 1.05 < before["high"]
+    assert measured["stopped"] in (out / "report.html").read_text()
     if slow_arm == "twin":
         assert measured["low"] > 1.05 and "<failure" in (out / "junit.xml").read_text()
     else:  # B much faster than A: flagged, since that usually means the baseline moved
-        assert measured["high"] < 1.0 and measured["improvement"]
+        assert measured["high"] <= 1.05 and measured["improvement"]  # it stops at the first block that passes
         assert "check whether the baseline moved" in run.stdout
     assert (out / "report.html").is_file()
+
+
+@pytest.mark.parametrize(
+    ("limit", "stopped"),
+    [(("--max-blocks", 3), "--max-blocks 3 reached"), (("--budget-s", 0.5), "--budget-s 0.5 spent")],
+    ids=["max-blocks", "budget"],
+)
+def test_auto_blocks_that_run_out_are_inconclusive(run_harness, tmp_path: Path, limit: tuple, stopped: str) -> None:
+    # A against a copy of A, with too little to bound the interval (it needs 4 blocks): the run stops
+    # at the limit and says so, exit 4 (neither a regression nor a flake).
+    _suite(tmp_path, blocks="auto", steps=2)
+    out = tmp_path / "run"
+    run = run_harness("abba", tmp_path / "suite.toml", "--b", "base", *limit, "--out", out)
+    assert run.returncode == EXIT_INCONCLUSIVE, run.stdout + run.stderr
+    measured = json.loads((out / "summary.json").read_text())["throughput"]
+    assert measured["stopped"].startswith(stopped) and f"stopped: {stopped}" in run.stdout
+    assert "rerun with a larger --max-blocks or --budget-s" in measured["headline"]
+    blocks = measured["blocks"]
+    assert len(_throughput_rows(out)) == 4 * blocks and 2 <= blocks <= 3
+    if limit[0] == "--budget-s":
+        assert measured["measuring_s"] >= 0.5
+
+
+def test_auto_blocks_stop_between_launches_of_separate_block_positions(run_harness, tmp_path: Path) -> None:
+    # B takes one process, A two: every block position is a launch of its own, and the launcher
+    # applies the stop rule between launches (here the budget, spent by the second block).
+    _suite(tmp_path, blocks="auto", steps=1, extra="[arms.solo]\nranks = 1\n", budget_s=0.01)
+    out = tmp_path / "run"
+    run = run_harness("abba", tmp_path / "suite.toml", "--b", "solo", "--warmup", 0, "--out", out)
+    assert run.returncode == EXIT_INCONCLUSIVE, run.stdout + run.stderr
+    measured = json.loads((out / "summary.json").read_text())["throughput"]
+    assert measured["mode"] == "separate-launches" and measured["stopped"].startswith("--budget-s 0.01 spent")
+    assert measured["blocks"] == 2 and len(_throughput_rows(out)) == 8
 
 
 def test_abba_of_an_arm_against_itself_never_fails(run_harness, tmp_path: Path) -> None:
@@ -207,7 +252,7 @@ def test_abba_of_an_arm_against_itself_never_fails(run_harness, tmp_path: Path) 
     ("args", "message"),
     [
         (("parity",), "suite parity has no [throughput] table; name the arms with --a and --b"),
-        (("parity", "--a", "eager", "--b", "graph", "--blocks", 1), "--blocks: expected int >= 2, got 1"),
+        (("parity", "--a", "eager", "--b", "graph", "--blocks", 1), '--blocks: expected "auto" or an int >= 2, got 1'),
         (("parity", "--a", "eager", "--b", "nope"), '--b: expected one of eager, eager-traced, graph, got "nope"'),
         (("parity", "--a", "eager", "--b", "graph", "--max-slowdown", -1), "--max-slowdown: expected a number >= 0"),
         (("fidelity", "--a", "q-lora", "--b", "q-lora"), "trains in lockstep with an oracle: not timed"),

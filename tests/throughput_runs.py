@@ -7,6 +7,7 @@ so a report can be checked against numbers known in advance.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -48,8 +49,9 @@ def _statistics(rows: list[dict]) -> dict:
         / sum(r["step_time_s"] for r in rows[i : i + 4] if r["role"] == "A")
         for i in range(0, len(rows), len(BLOCK))
     ]
+    sequence = [dataclasses.asdict(interval) for interval in stats.sequence]
     return {"ratio": stats.ratio, "low": stats.low, "high": stats.high, "per_block_ratios": per_block,
-            "noisy": stats.noisy}  # fmt: skip
+            "sequence": sequence, "noisy": stats.noisy}  # fmt: skip
 
 
 def write_throughput_run(

@@ -2,7 +2,9 @@
 
 On the B/A step-time ratio's interval and ``1 + max_slowdown``: pass when the upper bound is at
 or under it, fail (exit 1) when the lower bound is above it, otherwise inconclusive (exit 4:
-neither a regression nor a flake; rerun with more blocks). An A/A control (``control``) whose own
+neither a regression nor a flake; rerun with more blocks). The interval is the confidence
+sequence of harness/abba.py, which holds after any number of blocks, so the same verdict stops an
+adaptive run (``blocks = "auto"``, harness/throughput.py) and judges it. An A/A control (``control``) whose own
 interval lies beyond the threshold, either way, makes the run inconclusive: the machine is too
 noisy for the gate to mean anything. Every throughput run has this one check, and no suite lists
 it: the run plans it (:func:`gate_check`). It reads the rows of ``throughput.jsonl`` that the
@@ -11,15 +13,17 @@ read step put in ``RunRecords.throughput``.
 
 from __future__ import annotations
 
+import dataclasses
 import statistics
 
-from harness.abba import BLOCK, PairedRatio, paired_ratio, relative_iqr
+from harness.abba import PairedRatio, gate_verdict, paired_ratio, relative_iqr
 from harness.checks.registry import CheckFamily, SuiteReader, register
 from harness.compare import CheckResult
 from harness.launchers import LaunchGroup
 from harness.records import RunRecords
 from harness.specs import ArmSpec, CheckSpec, SuiteSpec, ThroughputSpec
 from harness.subject.protocol import METRICS
+from harness.throughput import measuring_seconds, stop_reason, whole_blocks
 
 KIND = "throughput"
 # B this much faster than A (step time ratio under 1 / (1 + this)) usually means the baseline
@@ -41,24 +45,6 @@ def run(check: CheckSpec, suite: SuiteSpec, records: RunRecords) -> list[CheckRe
     return [judge_throughput(suite.throughput, records, check.options["separate"])]
 
 
-def _series(rows: list[dict], series: str) -> tuple[list[str], list[float], list[float]]:
-    """(roles, step times) of the series' complete blocks, in run order, and its per-block ratios."""
-    by_block: dict[int, list[dict]] = {}
-    for row in rows:
-        if row["series"] == series:
-            by_block.setdefault(row["block"], []).append(row)
-    roles, times, ratios = [], [], []
-    for block in sorted(by_block):
-        positions = sorted(by_block[block], key=lambda r: r["position"])
-        if [r["role"] for r in positions] != list(BLOCK):
-            continue  # cut short (a rank failed, a signal): a partial block has no paired ratio
-        roles += [r["role"] for r in positions]
-        times += [r["step_time_s"] for r in positions]
-        mean = {role: statistics.fmean(r["step_time_s"] for r in positions if r["role"] == role) for role in "AB"}
-        ratios.append(mean["B"] / mean["A"])
-    return roles, times, ratios
-
-
 def _ratio_dict(result: PairedRatio, ratios: list[float]) -> dict:
     return {
         "ratio": result.ratio,
@@ -67,6 +53,7 @@ def _ratio_dict(result: PairedRatio, ratios: list[float]) -> dict:
         "confidence": result.confidence,
         "blocks": result.blocks,
         "per_block_ratios": ratios,
+        "sequence": [dataclasses.asdict(interval) for interval in result.sequence],
         "noisy": result.noisy,
     }
 
@@ -97,6 +84,7 @@ def judge_throughput(spec: ThroughputSpec, records: RunRecords, separate: bool) 
         "b": spec.b,
         "mode": "separate-launches" if separate else "shared-processes",
         "blocks": spec.blocks,
+        "block_rule": f"auto: at most {spec.max_blocks} blocks, {spec.budget_s:g} s" if spec.adaptive else "fixed",
         "steps": spec.steps,
         "warmup": spec.warmup,
         "timing": rows[0]["timing"] if rows else None,
@@ -108,23 +96,27 @@ def judge_throughput(spec: ThroughputSpec, records: RunRecords, separate: bool) 
         "improvement": False,
     }
     name = f"throughput: {spec.b} vs {spec.a}"
-    roles, times, ratios = _series(rows, "main")
+    roles, times, ratios = whole_blocks(rows, "main")
     if len(ratios) < 2:
-        why = unreadable or f"{len(ratios)} complete ABBA block(s) of {spec.blocks} recorded; an interval needs 2"
+        why = unreadable or (
+            f"{len(ratios)} complete ABBA block(s) of {spec.planned_blocks} recorded; an interval needs 2"
+        )
         summary["headline"] = f"not judged: {why}"
         return _gate(name, "error", summary)
     main = paired_ratio(roles, times)
     noise = {role: relative_iqr([t for r, t in zip(roles, times) if r == role]) for role in "AB"}
-    summary.update(_ratio_dict(main, ratios), noise=noise)
-    status = "pass" if main.high <= threshold else "fail" if main.low > threshold else "inconclusive"
+    stopped = stop_reason(spec, rows) or f"cut short after {main.blocks} of {spec.planned_blocks} blocks"
+    summary.update(_ratio_dict(main, ratios), noise=noise, stopped=stopped, measuring_s=measuring_seconds(rows))
+    status = gate_verdict(main.low, main.high, threshold)
+    more = "a larger --max-blocks or --budget-s" if spec.adaptive else "more blocks (--blocks K or auto)"
     words = {
         "pass": f"not slower beyond {spec.max_slowdown:.0%} (upper bound {main.high:.4f} <= {threshold:.4f})",
         "fail": f"slower beyond {spec.max_slowdown:.0%} with confidence (lower bound {main.low:.4f} > {threshold:.4f})",
-        "inconclusive": f"the interval straddles {threshold:.4f}: rerun with more blocks (--blocks)",
+        "inconclusive": f"the interval straddles {threshold:.4f}: rerun with {more}",
     }
     notes = []
     if spec.control:
-        c_roles, c_times, c_ratios = _series(rows, "control")
+        c_roles, c_times, c_ratios = whole_blocks(rows, "control")
         if len(c_ratios) >= 2:
             control = paired_ratio(c_roles, c_times)
             summary["control"] = _ratio_dict(control, c_ratios)
@@ -137,8 +129,8 @@ def judge_throughput(spec: ThroughputSpec, records: RunRecords, separate: bool) 
         notes.append("noisy: IQR/median > 10% in an arm")
     summary["verdict"] = status
     summary["headline"] = "; ".join(
-        [f"{spec.b}/{spec.a} step time {main.ratio:.4f} [{main.low:.4f}, {main.high:.4f}] {main.confidence:.0%} CI"
-         f" over {main.blocks} ABBA blocks: {words[status]}", *notes]
+        [f"{spec.b}/{spec.a} step time {main.ratio:.4f} [{main.low:.4f}, {main.high:.4f}] {main.confidence:.0%}"
+         f" interval over {main.blocks} ABBA blocks: {words[status]}", f"stopped: {stopped}", *notes]
     )  # fmt: skip
     return _gate(name, status, summary)
 

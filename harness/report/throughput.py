@@ -83,8 +83,12 @@ def _percent(fraction: object) -> str:
     return f"{_float(fraction) * 100:g}%"
 
 
+def _bounds(stats: dict) -> str:
+    return f"[{_ratio_text(stats.get('low'))}, {_ratio_text(stats.get('high'))}]"
+
+
 def _interval(stats: dict) -> str:
-    return f"{_ratio_text(stats.get('ratio'))} [{_ratio_text(stats.get('low'))}, {_ratio_text(stats.get('high'))}]"
+    return f"{_ratio_text(stats.get('ratio'))} {_bounds(stats)}"
 
 
 def _criterion(t: dict, threshold: float) -> str:
@@ -149,12 +153,18 @@ def _facts(t: dict, threshold: float) -> list[tuple[str, str]]:
     )
     return [
         (_ratio_label(t), _interval(t)),
-        ("confidence", f"{_percent(t.get('confidence'))} Student-t interval over the per-block ratios"),
+        (
+            "confidence",
+            f"{_percent(t.get('confidence'))} confidence sequence over the per-block log ratios: it holds after"
+            " every block at once, so the run may stop at the first block that decides",
+        ),
         ("threshold", _threshold_text(t, threshold)),
         (
             "blocks",
-            f"{t.get('blocks')} ABBA blocks of {t.get('steps')} steps, after {t.get('warmup')} warm-up steps per arm",
+            f"{t.get('blocks')} ABBA blocks of {t.get('steps')} steps, after {t.get('warmup')} warm-up steps per arm"
+            f" ({t.get('block_rule', 'fixed')})",
         ),
+        ("stopped", str(t.get("stopped") or "n/a")),
         ("timing", f"{t.get('timing')}, {t.get('mode')}"),
         ("noise (IQR/median)", _spread(t)),
         ("control (A vs A)", control_text),
@@ -171,9 +181,12 @@ def _ratio_plot(t: dict, threshold: float) -> str:
     for ax, (title, stats) in zip(axes, panels):
         ratios = [_float(r) for r in stats.get("per_block_ratios") or []]
         ax.plot(range(1, len(ratios) + 1), ratios, "o", color="C0", label="per-block ratio", zorder=3)
-        low, high, ratio = _float(stats.get("low")), _float(stats.get("high")), _float(stats.get("ratio"))
-        if math.isfinite(low) and math.isfinite(high):
-            ax.axhspan(low, high, color="C0", alpha=0.18, label=f"{_percent(t.get('confidence'))} interval")
+        ratio = _float(stats.get("ratio"))
+        bounded = [i for i in stats.get("sequence") or [] if math.isfinite(_float(i["high"])) and _float(i["low"]) > 0]
+        if bounded:
+            blocks = [i["blocks"] for i in bounded]
+            lows, highs = [_float(i["low"]) for i in bounded], [_float(i["high"]) for i in bounded]
+            ax.fill_between(blocks, lows, highs, step="mid", color="C0", alpha=0.18, label="interval after each block")
         if math.isfinite(ratio):
             ax.axhline(ratio, color="C0", linewidth=1.2, label=f"ratio {ratio:.3f}")
         if math.isfinite(threshold):
@@ -229,16 +242,22 @@ def _distribution_plot(frame: pd.DataFrame) -> str:
 
 
 def _block_rows(frame: pd.DataFrame, t: dict) -> list[dict]:
-    """One row per measurement; the block's ratio spans the rows of its block."""
+    """One row per measurement; the block's ratio, and the interval after it, span the rows of its block."""
     ratios = {
         "main": t.get("per_block_ratios") or [],
         "control": (t.get("control") or {}).get("per_block_ratios") or [],
+    }
+    intervals = {
+        "main": t.get("sequence") or [],
+        "control": (t.get("control") or {}).get("sequence") or [],
     }
     rows = []
     for (series, block), measured in _ordered(frame).groupby(["series", "block"], sort=False):
         series_ratios = ratios.get(series, [])
         index = int(block) - 1
         ratio = _ratio_text(series_ratios[index]) if 0 <= index < len(series_ratios) else "n/a"
+        after = intervals.get(series, [])
+        interval = _bounds(after[index]) if 0 <= index < len(after) else "n/a"
         for i, m in enumerate(measured.to_dict("records")):
             first, steps = m.get("first_step"), m.get("steps")
             rows.append(
@@ -254,6 +273,7 @@ def _block_rows(frame: pd.DataFrame, t: dict) -> list[dict]:
                     "tokens_per_s": _rate(m.get("tokens_per_s")),
                     "peak_memory": _mib(m.get("peak_memory_bytes")),
                     "ratio": ratio if i == 0 else None,
+                    "interval": interval,
                     "ratio_rows": len(measured),
                 }
             )
