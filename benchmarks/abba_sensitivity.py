@@ -65,16 +65,12 @@ def record(suite: Path, out: Path, blocks: int, steps: int, fraction: float) -> 
 
 
 def student_t(rows: list[dict]) -> tuple[str, float, float] | None:
-    """The old gate on these blocks: (verdict, low, high) of a Student-t interval over the log ratios."""
-    from scipy import stats
-
+    """The old gate on these blocks: (verdict, low, high) of the fixed-sample Student-t interval."""
     roles, times, _ = whole_blocks(rows, "main")
-    logs = block_log_ratios(roles, times)
-    if len(logs) < 2:
+    if len(roles) < 8:
         return None
-    half = stats.t.ppf(0.975, len(logs) - 1) * statistics.stdev(logs) / math.sqrt(len(logs))
-    low, high = math.exp(statistics.fmean(logs) - half), math.exp(statistics.fmean(logs) + half)
-    return gate_verdict(low, high, 1 + MAX_SLOWDOWN), low, high
+    ratio = paired_ratio(roles, times, anytime=False)
+    return gate_verdict(ratio.low, ratio.high, 1 + MAX_SLOWDOWN), ratio.low, ratio.high
 
 
 def gate_runs(rows: list[dict], max_blocks: int) -> tuple[list[dict], list[tuple]]:

@@ -49,7 +49,7 @@ def main() -> None:
         line = f"{name:<24} {1e3 * statistics.median(times):>17.1f}"
         if name != base:
             pair = [("A" if n == base else "B", t) for n, t in runs if n in (base, name)]
-            line += "   " + paired_ratio(*zip(*pair)).summary(base, name)
+            line += "   " + paired_ratio(*zip(*pair), anytime=False).summary(base, name)
         print(line)
 
 

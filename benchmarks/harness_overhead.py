@@ -102,7 +102,7 @@ def main() -> None:
         outs = (f"{tmp}/run{i}" for i in itertools.count())
         order = abba_order(args.blocks)
         values = [timed(torchrun, bare_env) if arm == "A" else timed([*harness, next(outs)]) for arm in order]
-    result = paired_ratio(order, values)
+    result = paired_ratio(order, values, anytime=False)
     for arm, label in (("A", "bare torchrun"), ("B", "harness run")):
         times = [v for a, v in zip(order, values) if a == arm]
         print(

@@ -118,7 +118,7 @@ def measure(ranks: int, rounds: int, env: dict[str, str], tmp: Path) -> dict:
                 if kind in ("floor", series):
                     order[series].append("A" if kind == "floor" else "B")
                     values[series].append(seconds)
-    ratios = {kind: paired_ratio(order[kind], values[kind]) for kind in order}
+    ratios = {kind: paired_ratio(order[kind], values[kind], anytime=False) for kind in order}
     return {"floors": floors, "phases": phases, "ratios": ratios}
 
 

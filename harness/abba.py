@@ -76,7 +76,7 @@ class PairedRatio:
         noise = "  (noisy: IQR/median > 10% in an arm)" if self.noisy else ""
         return (
             f"{label_b}/{label_a} = {self.ratio:.4f}  "
-            f"[{self.low:.4f}, {self.high:.4f}] {self.confidence:.0%} CS over {self.blocks} ABBA blocks{noise}"
+            f"[{self.low:.4f}, {self.high:.4f}] {self.confidence:.0%} interval over {self.blocks} ABBA blocks{noise}"
         )
 
 
@@ -122,13 +122,31 @@ def confidence_sequence(
     return out
 
 
-def paired_ratio(order: Sequence[str], values: Sequence[float], confidence: float = 0.95) -> PairedRatio:
+def student_t_intervals(log_ratios: Sequence[float], confidence: float = 0.95) -> list[tuple[float, float]]:
+    """(mean, half-width) after each of the first 1..n blocks, each a fixed-sample Student-t
+    interval: right for a block count fixed in advance and looked at once (the benchmarks), wrong
+    for a gate that looks after every block (module docstring)."""
+    from scipy import stats  # imported here: ~0.4 s that only a fixed-sample interval needs
+
+    out = [(log_ratios[0], math.inf)] if log_ratios else []
+    for t in range(2, len(log_ratios) + 1):
+        head = log_ratios[:t]
+        spread = statistics.stdev(head) / math.sqrt(t)
+        out.append((statistics.fmean(head), stats.t.ppf(0.5 + confidence / 2, t - 1) * spread))
+    return out
+
+
+def paired_ratio(
+    order: Sequence[str], values: Sequence[float], confidence: float = 0.95, anytime: bool = True
+) -> PairedRatio:
     """Summarise measurements taken in ``order`` (from :func:`abba_order`) as a paired B/A ratio,
-    with the interval after every block in ``sequence``."""
+    with the interval after every block in ``sequence``: the confidence sequence, or with
+    ``anytime=False`` the fixed-sample Student-t interval of a block count chosen in advance."""
     log_ratios = block_log_ratios(order, values)
+    intervals = confidence_sequence if anytime else student_t_intervals
     sequence = tuple(
         Interval(k, math.exp(mean), math.exp(mean - half), math.exp(mean + half))
-        for k, (mean, half) in enumerate(confidence_sequence(log_ratios, confidence), start=1)
+        for k, (mean, half) in enumerate(intervals(log_ratios, confidence), start=1)
     )
     last = sequence[-1]
     per_arm = [[v for arm, v in zip(order, values) if arm == name] for name in ("A", "B")]
@@ -143,10 +161,11 @@ def gate_verdict(low: float, high: float, threshold: float) -> str:
 
 
 def measure_abba(run_a: Callable[[], float], run_b: Callable[[], float], blocks: int) -> PairedRatio:
-    """Call the two measurements in ABBA order and summarise them."""
+    """Call the two measurements in ``blocks`` ABBA blocks, fixed in advance, and summarise them
+    with the fixed-sample interval."""
     order = abba_order(blocks)
     values = [(run_a if arm == "A" else run_b)() for arm in order]
-    return paired_ratio(order, values)
+    return paired_ratio(order, values, anytime=False)
 
 
 class Steppable(Protocol):

@@ -16,6 +16,7 @@ from harness.abba import (
     gate_verdict,
     measure_abba,
     paired_ratio,
+    student_t_intervals,
 )
 
 
@@ -98,17 +99,6 @@ def _block_series(rng: random.Random, slowdown: float, noise: str) -> list[float
     return block_log_ratios(order, times)
 
 
-def _student_t_sequence(log_ratios: list[float]) -> list[tuple[float, float]]:
-    """The statistic this gate had before: a fixed-sample Student-t interval, here looked at after every block."""
-    from scipy import stats
-
-    out = [(log_ratios[0], math.inf)]
-    for k in range(2, len(log_ratios) + 1):
-        head = log_ratios[:k]
-        out.append((statistics.fmean(head), stats.t.ppf(0.975, k - 1) * statistics.stdev(head) / math.sqrt(k)))
-    return out
-
-
 def _gate_runs(slowdown: float, noise: str, interval=confidence_sequence, seed: int = 0) -> list[tuple]:
     """(verdict, blocks used, low, high) of RUNS adaptive gates on fresh series."""
     rng = random.Random(seed)
@@ -147,7 +137,7 @@ def test_an_adaptive_gate_seldom_passes_a_slowdown_at_its_threshold(noise: str) 
 def test_the_old_student_t_interval_looked_at_after_every_block_passes_a_slowdown_at_the_threshold() -> None:
     # The same runs, judged with a fixed-sample interval after every block: its error is spent
     # again at every look, and a 5% slowdown passes a 5% gate in about a fifth of the runs.
-    runs = _gate_runs(0.05, "normal", interval=_student_t_sequence)
+    runs = _gate_runs(0.05, "normal", interval=student_t_intervals)
     assert _share(runs, "pass") > 0.10
     covered = sum(low <= THRESHOLD <= high for _, _, low, high in runs) / RUNS
     assert covered < 0.93
