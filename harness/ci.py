@@ -46,6 +46,7 @@ from harness.cancel import Cancellation, Cancelled
 from harness.files import write_json_atomic
 from harness.golden import GoldenError
 from harness.prepare import RunOptions, UsageError, check_device
+from harness.report.checks import verdict_label
 from harness.report.html import write_ci_index
 from harness.report.junit import junit_testsuite, read_testsuites, write_merged_junit
 from harness.run import run_suite
@@ -93,6 +94,7 @@ class Attempt:
     duration_s: float
     error: str | None = None
     report: str | None = None  # the run's report.html, relative to the gate directory, when it was written
+    label: str | None = None  # a failed run's summary.json label: "drift" or "regression"
 
     def to_dict(self) -> dict:
         return {**dataclasses.asdict(self), "duration_s": round(self.duration_s, 3)}
@@ -115,6 +117,7 @@ class SuiteOutcome:
             "suite": self.suite,
             "verdict": final.verdict if final else NOT_RUN,
             "exit_code": final.exit_code if final else None,
+            "label": final.label if final else None,
             "report": final.report if final else None,
             "attempts": [a.to_dict() for a in self.attempts],
         }
@@ -203,7 +206,8 @@ def run_attempt(
     summary = _summary(run_dir)
     verdict = summary.get("verdict", verdict_of_code(code))
     report = str(relative / REPORT) if (run_dir / REPORT).is_file() else None
-    return Attempt(number, code, verdict, str(relative), time.monotonic() - start, summary.get("error"), report)
+    elapsed = time.monotonic() - start
+    return Attempt(number, code, verdict, str(relative), elapsed, summary.get("error"), report, summary.get("label"))
 
 
 def _summary(run_dir: Path) -> dict:
@@ -254,15 +258,17 @@ def format_gate(gate_dir: Path, outcomes: list[SuiteOutcome], exit_code: int) ->
     """The console's last lines: the gate's verdict, one line per suite, and where the files are."""
     lines = [f"ci: {verdict_of_code(exit_code).upper()} (exit {exit_code}) - {len(outcomes)} suites"]
     width = max(len(o.suite) for o in outcomes)
+    shown = {o.suite: verdict_label(o.final.verdict, o.final.label) if o.final else NOT_RUN.upper() for o in outcomes}
+    column = max(12, *map(len, shown.values()))
     for outcome in outcomes:
         final = outcome.final
         if final is None:
-            lines.append(f"  {NOT_RUN.upper():<12}  {outcome.suite:<{width}}")
+            lines.append(f"  {shown[outcome.suite]:<{column}}  {outcome.suite:<{width}}")
             continue
         tries = f"{len(outcome.attempts)} attempt{'s' if len(outcome.attempts) > 1 else ''}"
         where = final.report or final.run_dir or final.error
         lines.append(
-            f"  {final.verdict.upper():<12}  {outcome.suite:<{width}}  exit {final.exit_code}, {tries}: {where}"
+            f"  {shown[outcome.suite]:<{column}}  {outcome.suite:<{width}}  exit {final.exit_code}, {tries}: {where}"
         )
     lines += [f"index: {gate_dir / 'index.html'}", f"junit: {gate_dir / 'junit.xml'}"]
     return "\n".join(lines)

@@ -5,6 +5,7 @@ and the GitHub workflows that run them."""
 from __future__ import annotations
 
 import json
+import re
 import shlex
 import signal
 import time
@@ -85,6 +86,9 @@ def test_regression_is_not_retried_infrastructure_is_retried_and_the_gate_exits_
     record = json.loads((gate / "ci.json").read_text())
     assert (record["verdict"], record["exit_code"]) == ("fail", 1)
     assert [(s["suite"], s["exit_code"]) for s in record["suites"]] == [("diverges", 1), ("killed", 3)]
+    # A failed suite carries its run's label, so the gate's table tells a regression from drift.
+    assert [s["label"] for s in record["suites"]] == ["regression", None]
+    assert re.search(r"^  FAIL \[regression\]\s+diverges\s+exit 1", run.stdout, re.MULTILINE), run.stdout
     merged = _testsuites(gate)  # the final attempt of each
     killed_cases = ET.parse(gate / "killed" / "attempt-2" / "junit.xml").getroot().find("testsuite")
     errors = [case.find("error").get("type") for case in killed_cases if case.find("error") is not None]
@@ -93,6 +97,7 @@ def test_regression_is_not_retried_infrastructure_is_retried_and_the_gate_exits_
     assert any(c.find("failure") is not None for c in merged["diverges"])
     assert any(c.find("error") is not None for c in merged["killed"])
     index = (gate / "index.html").read_text()
+    assert "FAIL [regression]</td>" in index
     assert 'href="killed/attempt-1/report.html"' in index and 'href="killed/attempt-2/report.html"' in index
     assert "ci: killed: exit 3 (infrastructure), retrying" in run.stdout
 

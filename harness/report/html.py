@@ -25,6 +25,7 @@ _TEMPLATES = jinja2.Environment(
     loader=jinja2.FileSystemLoader(Path(__file__).parent / "templates"),
     autoescape=True,
 )
+_TEMPLATES.filters["verdict_label"] = verdict_label
 _FIRST_METRICS = ("loss", "grad_norm")
 _MARKERS_UP_TO = 100  # steps; beyond this markers only clutter the lines
 
