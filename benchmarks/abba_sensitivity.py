@@ -104,25 +104,26 @@ def gate_runs(rows: list[dict], max_blocks: int) -> tuple[list[dict], list[tuple
 
 
 def collect(suite: Path, tmp: Path, fraction: float, runs: int, max_blocks: int, chunk: int, steps: int):
-    """Records chunks of ``chunk`` blocks until they hold ``runs`` gate runs; returns runs, old, rows."""
-    all_runs, all_old, all_rows = [], [], []
+    """Records chunks of ``chunk`` blocks until they hold ``runs`` gate runs; returns those runs, the
+    old statistic's verdicts on them, and every block's log ratio."""
+    all_runs, all_old, log_ratios = [], [], []
     while len(all_runs) < runs:
-        rows = record(suite, tmp / f"f{fraction}-{len(all_rows)}", chunk, steps, fraction)
+        rows = record(suite, tmp / f"f{fraction}-{len(log_ratios)}", chunk, steps, fraction)
         cut, old = gate_runs(rows, max_blocks)
         all_runs += cut
         all_old += old
-        all_rows += rows
-    return all_runs[:runs], all_old[:runs], all_rows
+        roles, times, _ = whole_blocks(rows, "main")
+        log_ratios += block_log_ratios(roles, times)
+    return all_runs[:runs], all_old[:runs], log_ratios
 
 
 def share(runs: list[dict], verdict: str) -> float:
     return sum(r["verdict"] == verdict for r in runs) / len(runs)
 
 
-def describe_blocks(rows: list[dict]) -> str:
+def describe_blocks(log_ratios: list[float]) -> str:
     """What the per-block log ratios look like: the grounds for the statistic."""
-    roles, times, _ = whole_blocks(rows, "main")
-    logs = pd.Series(block_log_ratios(roles, times))
+    logs = pd.Series(log_ratios)
     return (
         f"{len(logs)} blocks: log ratio sd {logs.std():.3f}, excess kurtosis {logs.kurt():.2f},"
         f" skew {logs.skew():.2f}, lag-1 autocorrelation {logs.autocorr():.2f}"
@@ -144,8 +145,8 @@ def main() -> None:
         suite.write_text(SUITE)
         print(f"EP=2 on 2 ranks, {args.steps} steps per block position; gate at {1 + MAX_SLOWDOWN}")
 
-        runs, old, rows = collect(suite, tmp, 0.0, args.aa_runs, args.aa_max_blocks, args.record, args.steps)
-        print(f"A/A {describe_blocks(rows)}")
+        runs, old, logs = collect(suite, tmp, 0.0, args.aa_runs, args.aa_max_blocks, args.record, args.steps)
+        print(f"A/A {describe_blocks(logs)}")
         covered = sum(r["low"] <= 1 <= r["high"] for r in runs) / len(runs)
         fails = share(runs, "fail")
         print(
@@ -159,9 +160,8 @@ def main() -> None:
         print(f"\n{'planted':>8} {'B/A (all blocks)':>17} {'pass':>6} {'fail':>6} {'inconcl.':>9}"
               f" {'median blocks':>14} {'median s':>9}   old Student-t: pass/fail")  # fmt: skip
         for fraction in (0.0, 0.05, 0.10, 0.20):
-            runs, old, rows = collect(suite, tmp, fraction, args.runs, args.max_blocks, args.record, args.steps)
-            roles, times, _ = whole_blocks(rows, "main")
-            measured = math.exp(statistics.fmean(block_log_ratios(roles, times)))
+            runs, old, logs = collect(suite, tmp, fraction, args.runs, args.max_blocks, args.record, args.steps)
+            measured = math.exp(statistics.fmean(logs))
             old_pass = sum(o[0] == "pass" for o in old) / len(old)
             old_fail = sum(o[0] == "fail" for o in old) / len(old)
             print(

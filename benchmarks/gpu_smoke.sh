@@ -81,7 +81,7 @@ run parity-bf16 parity-bf16
 run fidelity-bf16 fidelity-bf16
 
 if wanted abba; then
-  harness abba parity --a eager --b graph --device "$DEVICE" --ranks 1 --set ep=2 --blocks 2 --steps 2 \
+  harness abba parity --a eager --b graph --device "$DEVICE" --ranks 1 --set ep=2 --blocks 4 --steps 2 \
     --warmup 1 --max-slowdown 100 --out "$OUT/abba" "${extra[@]}" >"$OUT/abba.log" 2>&1
   code=$?
   timing=$([ "$DEVICE" = cuda ] && echo cuda-events || echo wall)

@@ -265,6 +265,12 @@ def _run(args: argparse.Namespace, argv: list[str], golden: str) -> int:
     if args.command == "abba" and suite.throughput is None:
         raise UsageError(f"harness abba: suite {suite.name} has no [throughput] table; name the arms with --a and --b")
     options = _run_options(args, argv, golden)
+    spec = suite.throughput
+    if spec is not None and spec.adaptive and spec.budget_s >= options.timeout_s:
+        raise UsageError(
+            f"throughput.budget_s {spec.budget_s:g} is not under --timeout {options.timeout_s:g}: the launch would"
+            " be stopped before the budget; lower --budget-s or raise --timeout"
+        )
     if args.command == "submit":
         flags = {
             key: (f"--{key.replace('_', '-')}", _flag_value(getattr(args, key)))

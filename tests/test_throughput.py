@@ -256,8 +256,16 @@ def test_abba_of_an_arm_against_itself_never_fails(run_harness, tmp_path: Path) 
         (("parity", "--a", "eager", "--b", "nope"), '--b: expected one of eager, eager-traced, graph, got "nope"'),
         (("parity", "--a", "eager", "--b", "graph", "--max-slowdown", -1), "--max-slowdown: expected a number >= 0"),
         (("fidelity", "--a", "q-lora", "--b", "q-lora"), "trains in lockstep with an oracle: not timed"),
+        (("parity", "--a", "eager", "--b", "graph", "--blocks", "sometimes"), 'expected "auto" or an int >= 2'),
+        (("parity", "--a", "eager", "--b", "graph", "--max-blocks", 1), "--max-blocks: expected int >= 2, got 1"),
+        (("parity", "--a", "eager", "--b", "graph", "--budget-s", 0), "--budget-s: expected a number > 0, got 0"),
+        (
+            ("throughput-pec", "--budget-s", 900),
+            "throughput.budget_s 900 is not under --timeout 600: the launch would be stopped before the budget",
+        ),
     ],
-    ids=["no-arms", "one-block", "unknown-arm", "negative-gate", "oracle-arm"],
+    ids=["no-arms", "one-block", "unknown-arm", "negative-gate", "oracle-arm", "blocks-word", "max-blocks", "budget",
+         "budget-over-timeout"],  # fmt: skip
 )
 def test_bad_abba_usage_exits_2_with_one_line(run_harness, tmp_path: Path, args: tuple, message: str) -> None:
     run = run_harness("abba", *args, "--out", tmp_path / "run")
