@@ -122,6 +122,7 @@ def test_sigint_stops_the_whole_gate_with_130(start_harness, processes_mentionin
         "suite": "parity",
         "verdict": "not run",
         "exit_code": None,
+        "label": None,
         "report": None,
         "attempts": [],
     }

@@ -71,19 +71,19 @@ def test_tiny_dp_throughput_is_measured_in_abba_blocks(run_harness, tmp_path: Pa
     records. The verdict is the gate's business (tests/test_throughput.py); here, that it judged."""
     out = tmp_path / "abba"
     run = run_harness(
-        "abba", TINY_DP, "--a", "bucket", "--b", "per-parameter", "--blocks", 3, "--steps", 2, "--warmup", 1,
+        "abba", TINY_DP, "--a", "bucket", "--b", "per-parameter", "--blocks", 4, "--steps", 2, "--warmup", 1,
         "--out", out,
     )  # fmt: skip
     summary = run.summary(out)
     assert run.returncode == summary["exit_code"] and run.returncode in (0, 1, 4), run.stdout + run.stderr
     rows = read_jsonl(out / "throughput.jsonl")
     roles = [r["role"] for r in rows]
-    assert len(rows) == 12 and roles.count("A") == roles.count("B") == 6
+    assert len(rows) == 16 and roles.count("A") == roles.count("B") == 8
     assert {r["arm"] for r in rows} == {"bucket", "per-parameter"}
     tokens_per_step = 2 * 4 * 16  # 2 ranks x local_batch x seq_len
     assert all(r["tokens_per_s"] * r["seconds"] == pytest.approx(2 * tokens_per_step) for r in rows)
     gate = summary["throughput"]
-    assert 0 < gate["low"] <= gate["ratio"] <= gate["high"] and len(gate["per_block_ratios"]) == 3
+    assert 0 < gate["low"] <= gate["ratio"] <= gate["high"] and len(gate["per_block_ratios"]) == 4  # bounded from 4 blocks
 
 
 def test_every_check_family_reads_only_record_families_the_protocol_defines() -> None:
