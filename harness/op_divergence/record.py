@@ -64,6 +64,13 @@ class OpRecord:
         """The record as plain JSON data."""
         return {**asdict(self), "absmax": [json_float(m) for m in self.absmax]}
 
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> OpRecord:
+        """A record as :meth:`describe` wrote it (a rank's op file), typed again."""
+        absmax = tuple(None if m is None else float(m) for m in data["absmax"])  # "inf" and "nan" as named
+        tuples = {key: tuple(data[key]) for key in ("outputs", "hashes", "inputs")}
+        return cls(**{**data, **tuples, "absmax": absmax})
+
 
 def content_digest(tensor: torch.Tensor) -> str:
     """64 bits of blake2b over the tensor's bytes in row-major order: equal iff bit-identical
@@ -112,7 +119,8 @@ class OpRecorder:
     """A context manager that records the ops run on this thread, in order, as :class:`OpRecord`.
 
     ``placeholders`` names ops (``str(op)``) whose outputs are placeholders of no defined content,
-    such as an exchange launch's receive slot. Their outputs are recorded without hashes.
+    such as an exchange launch's receive slot. Their outputs are recorded without hashes. A subject's
+    ``record_ops`` hook (harness/subject/protocol.py) adds its own before recording starts.
     ``capture`` asks for a clone of the outputs of the op with that index, in ``captured``.
     Set ``step`` before each training step to label its ops.
     """
