@@ -356,7 +356,7 @@ def run_arm(
         recorder = FileRecorder(files, writers, steps)
         metrics = stack.enter_context(JsonlWriter(files.metrics)) if rank == 0 else None
         with phases.phase("build", arm=spec.name) as build:
-            arm = subject.build(ArmContext(spec, device, steps, None if ops else recorder, cache_dir))
+            arm = subject.build(ArmContext(spec, device, steps, None if ops is not None else recorder, cache_dir))
             stack.callback(arm.close)
             if arm.graph_build() is not None:
                 build["graph"] = arm.graph_build()
@@ -371,7 +371,7 @@ def run_arm(
             if arm.graph_export() is not None:
                 write_json_atomic(files.graph, arm.graph_export())
         updates_done, last_update = 0, segment.first_step - 1
-        recording = _recording_ops(subject, arm, files, spec.name, steps, ops.capture) if ops else None
+        recording = _recording_ops(subject, arm, files, spec.name, steps, ops.capture) if ops is not None else None
         with phases.phase("steps", arm=spec.name) as detail, recording or contextlib.nullcontext() as op_recorder:
             if recording is not None and op_recorder is None:  # refused: the op file says why
                 return
