@@ -54,8 +54,8 @@ MODES = ("auto", "on", "off")
 MODE_ENV = "HARNESS_FIRST_OP"  # the default of --first-op
 BIT_LEVEL = ("exact", "ulp", "determinism")
 # A step recorded op by op takes this many plain steps (DebugMode, a blake2b hash of every output),
-# measured on cpu-tiny; the budget check (auto) uses it.
-RECORDING_SLOWDOWN = 8.0
+# measured on cpu-tiny (8-25); the budget check (auto) uses it.
+RECORDING_SLOWDOWN = 20.0
 log = logging.getLogger("harness")
 
 
@@ -279,7 +279,7 @@ def _line(result: dict[str, Any], a: str, b: str, steps: int) -> str:
         return f"first op: {a} and {b} part at {where}: {_difference(pair)}{again}"
     only = a if first["kind"] == "only in a" else b
     then = f"; then {pair['a']['op']} in {pair['a']['module'] or '(no module)'}: {_difference(pair)}" if pair else ""
-    return f"first op: {a} and {b} part at {where}, which only {only} runs{then}{again}"
+    return f"first op: {a} and {b} part at {where}, whose output only {only} makes{then}{again}"
 
 
 def _difference(pair: dict[str, Any]) -> str:

@@ -96,12 +96,13 @@ def test_a_failed_exact_check_names_the_first_op_where_its_arms_part(run_harness
 
 def test_arms_with_logical_ranks_in_one_process_are_refused_in_one_line(run_harness: Callable, suite: Path, tmp_path):
     out = tmp_path / "run"
-    run = run_harness("run", suite, "--set", "arms.planted.ranks=1", "--first-op", "on", "--out", out)
+    one_process = ("--set", "arms.base.ranks=1", "--set", "arms.planted.ranks=1")  # each: EP 2 in 1 process
+    run = run_harness("run", suite, *one_process, "--first-op", "on", "--out", out)
     assert run.returncode == 1, run.stdout + run.stderr  # the run's own verdict, untouched
     found = run.check(out, "base vs planted: loss")["extra"]["first_op_divergence"]
     assert found["status"] == "refused"
     assert found["line"] == (
-        "first op: not located: arm 'planted' runs 2 logical ranks in 1 process(es); recording ops needs one"
+        "first op: not located: arm 'base' runs 2 logical ranks in 1 process(es); recording ops needs one"
         " logical rank per process (a thread-local recorder cannot see their pool threads)"
     )
     assert found["line"] in run.stdout.splitlines()

@@ -21,6 +21,7 @@ def first_op_view(checks: list[dict]) -> dict[str, Any] | None:
         "line": found["line"],
         "matching": (found.get("matching") or {}).get("note"),
         "ranks": found.get("ranks", []),
+        "pair": f"{pair['a']['op']} a#{pair['a']['index']}, b#{pair['b']['index']}" if pair else None,
         "outputs": [{"shape": shape, **diff} for shape, diff in zip(shapes, pair.get("outputs", []))],
         "rows": [
             {"first": row.get("first", False), "a": _side(row["a"]), "b": _side(row["b"])}
