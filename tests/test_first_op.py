@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import MANIFEST_SCHEMA
 
 from harness.op_divergence import OpRecord
 from harness.op_divergence.files import read_captured, read_ops, write_captured, write_ops
@@ -90,6 +91,8 @@ def test_a_failed_exact_check_names_the_first_op_where_its_arms_part(run_harness
     # Each rank of each arm recorded its own ops, in a run directory of the re-run's own.
     for arm in ("base", "planted"):
         assert len(read_ops(out / "first-op" / "record" / "arms" / arm / "ops.rank1.jsonl").records) > 100
+    for rerun in ("record", "capture"):
+        MANIFEST_SCHEMA.validate(json.loads((out / "first-op" / rerun / "manifest.json").read_text()))
     # The other check failed too; one op is located per run, on the check whose arms part first.
     assert "first_op_divergence" not in run.check(out, "base vs planted: grad_norm")["extra"]
 
