@@ -8,6 +8,7 @@ harness/op_divergence/ cover traced arms, tests/test_op_divergence.py).
 
 from __future__ import annotations
 
+import io
 import json
 from collections.abc import Callable
 from pathlib import Path
@@ -16,9 +17,15 @@ import pytest
 import torch
 from conftest import MANIFEST_SCHEMA
 
+from harness.first_op import locate_first_op
+from harness.judge import judge
+from harness.launchers import LaunchContext, LaunchGroup, LaunchResult
+from harness.launching import Launched
 from harness.op_divergence import OpRecord
 from harness.op_divergence.files import read_captured, read_ops, write_captured, write_ops
-from harness.records import RecordError
+from harness.prepare import RunOptions, read_prepared
+from harness.records import RecordError, read_records
+from harness.suites import load_suite
 
 FACTOR = 2.5
 # Two arms that differ in one planted bug: the planted arm's router scales its weights twice
@@ -95,6 +102,21 @@ def test_a_failed_exact_check_names_the_first_op_where_its_arms_part(run_harness
         MANIFEST_SCHEMA.validate(json.loads((out / "first-op" / rerun / "manifest.json").read_text()))
     # The other check failed too; one op is located per run, on the check whose arms part first.
     assert "first_op_divergence" not in run.check(out, "base vs planted: grad_norm")["extra"]
+
+    # Judged again with a budget the run's own phase times say the re-run cannot fit: auto skips it.
+    prepared = read_prepared(out, load_suite(str(suite)), RunOptions(first_op="auto", first_op_budget_s=1.0))
+    records = read_records(prepared.suite, out)
+    console = io.StringIO()
+    judged = locate_first_op(prepared, records, judge(prepared, Launched(), records), no_launch, console)
+    skipped = next(c for c in judged.checks if c.name == "base vs planted: loss").extra["first_op_divergence"]
+    assert skipped["status"] == "skipped" and judged.exit_code == 1
+    assert skipped["line"].startswith("first op: not located: re-running steps 1-1 op by op should take about")
+    assert skipped["line"].endswith("over the budget of 1 s (--first-op-budget; --first-op on runs it regardless)")
+    assert console.getvalue() == skipped["line"] + "\n"
+
+
+def no_launch(group: LaunchGroup, context: LaunchContext) -> LaunchResult:
+    raise AssertionError(f"launched {group.name} though the re-run was over its budget")
 
 
 def test_arms_with_logical_ranks_in_one_process_are_refused_in_one_line(run_harness: Callable, suite: Path, tmp_path):
