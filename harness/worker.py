@@ -45,7 +45,7 @@ import traceback
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -66,6 +66,9 @@ from harness.specs import ArmSpec, DebugSpec, SuiteSpec
 from harness.subject import Subject, subject_of
 from harness.subject.protocol import Arm, ArmContext, OpsNotRecordable, RankUpdate, StepRecord
 from harness.throughput import stop_reason
+
+if TYPE_CHECKING:
+    from harness.op_divergence import OpRecorder
 
 _PR_SET_PDEATHSIG = 1
 # The harness process (the elastic agent) exports its pid, so a rank can tell it was orphaned.
@@ -293,7 +296,9 @@ class OpRecording:
 
 
 @contextlib.contextmanager
-def _recording_ops(subject: Subject, arm: Arm, files: ArmFiles, name: str, steps: int, capture: int | None) -> Any:
+def _recording_ops(
+    subject: Subject, arm: Arm, files: ArmFiles, name: str, steps: int, capture: int | None
+) -> Iterator[OpRecorder | None]:
     """The arm's steps under an OpRecorder readied by the subject's ``record_ops`` hook, then this
     rank's op file and, with ``capture``, that op's outputs (harness/op_divergence/files.py). Yields
     None where the arm cannot be recorded: the op file then holds the refusal, and no step runs."""
