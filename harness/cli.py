@@ -25,6 +25,8 @@ from pathlib import Path
 from harness.cancel import Cancelled
 from harness.ci import run_gate
 from harness.environment import CPU_ISAS, cuda_preflight, describe_environment
+from harness.first_op import MODE_ENV as FIRST_OP_ENV
+from harness.first_op import MODES as FIRST_OP_MODES
 from harness.golden import GOLDEN_MODES, GoldenError
 from harness.launchers.slurm.profile import load_profile
 from harness.outputs import rerender
@@ -125,6 +127,19 @@ def build_parser() -> argparse.ArgumentParser:
         choices=GOLDEN_MODES,
         default="auto",
         help="auto (default): check when a golden exists for this environment",
+    )
+    run.add_argument(
+        "--first-op",
+        choices=FIRST_OP_MODES,
+        help="when an exact, ulp or determinism check of two arms fails, re-run them op by op and name the first"
+        f" op where they part: on, off, or auto (default, or ${FIRST_OP_ENV}): if it fits --first-op-budget",
+    )
+    run.add_argument(
+        "--first-op-budget",
+        type=float,
+        default=RunOptions.first_op_budget_s,
+        metavar="S",
+        help=f"time limit of that re-run (default {RunOptions.first_op_budget_s:g})",
     )
     golden = commands.add_parser("golden", help="manage golden trajectories")
     golden_commands = golden.add_subparsers(dest="golden_command", required=True, metavar="ACTION")
@@ -296,6 +311,7 @@ def _run_options(args: argparse.Namespace, argv: list[str], golden: str) -> RunO
             f"--golden-dir {args.golden_dir}: the shipped goldens of the installed package are read-only;"
             " record goldens in a folder of your own with --golden-dir DIR"
         )
+    first_op, budget = _first_op(args)
     return RunOptions(
         device=args.device,
         out=args.out,
@@ -306,7 +322,22 @@ def _run_options(args: argparse.Namespace, argv: list[str], golden: str) -> RunO
         command=("harness", *argv),
         verbose=args.verbose,
         trace_cache=trace_cache_dir(args.trace_cache),
+        first_op=first_op,
+        first_op_budget_s=budget,
     )
+
+
+def _first_op(args: argparse.Namespace) -> tuple[str, float]:
+    """``harness run``'s --first-op (else $HARNESS_FIRST_OP, else auto) and --first-op-budget; other
+    commands never re-run (harness/first_op.py)."""
+    if args.command != "run":
+        return "off", RunOptions.first_op_budget_s
+    mode = args.first_op or os.environ.get(FIRST_OP_ENV) or "auto"
+    if mode not in FIRST_OP_MODES:
+        raise UsageError(f"${FIRST_OP_ENV}: expected one of {', '.join(FIRST_OP_MODES)}, got {mode!r}")
+    if not (args.first_op_budget > 0 and math.isfinite(args.first_op_budget)):
+        raise UsageError(f"--first-op-budget: expected a finite number of seconds > 0, got {args.first_op_budget:g}")
+    return mode, args.first_op_budget
 
 
 def _crash_log() -> Path:

@@ -2,8 +2,8 @@
 naming the file in the error when a write fails.
 
 Rank records stream line by line (records.py); everything the harness writes whole (a summary, a
-manifest, a golden, a report) goes through :func:`write_text_atomic`: readers see the old file or
-the new one.
+manifest, a golden, a report, a rank's op records) goes through :func:`write_text_atomic` or
+:func:`write_bytes_atomic`: readers see the old file or the new one.
 """
 
 from __future__ import annotations
@@ -41,7 +41,12 @@ def write_json_atomic(path: Path, obj: Any) -> None:
 
 def write_text_atomic(path: Path, text: str) -> None:
     """Writes ``text`` so that readers see the old file or the new one, never a torn one (a report
-    cut short by a full disk or a second signal would open as a broken page).
+    cut short by a full disk or a second signal would open as a broken page)."""
+    write_bytes_atomic(path, text.encode("utf-8"))
+
+
+def write_bytes_atomic(path: Path, data: bytes) -> None:
+    """Writes ``data`` as :func:`write_text_atomic` writes text.
 
     The temp file lives in the target directory so os.replace stays a same-filesystem rename.
     """
@@ -49,8 +54,8 @@ def write_text_atomic(path: Path, text: str) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
-        with naming_file(path), os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(text)
+        with naming_file(path), os.fdopen(fd, "wb") as f:
+            f.write(data)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)

@@ -3,7 +3,8 @@
 Every rank process records its phases (imports, rendezvous, and per arm build, steps and finish,
 then shutdown) to ``phases/<group>.rank<k>.jsonl``, one line per finished phase with wall-clock
 ``start`` and ``end``, so a crash keeps the phases before it. The harness process keeps its own
-(imports, prepare, one launch per group, judge, report) in ``summary.json``.
+(imports, prepare, one launch per group, judge, first-op where a re-run located an op, report) in
+``summary.json``.
 
 :func:`timeline` cuts the run's wall time into consecutive segments. Ranks run their phases in
 step (they meet at every collective), so a rank phase's segment ends when the *last* rank ends

@@ -56,6 +56,8 @@ class RunOptions:
     command: tuple[str, ...] = ()
     verbose: bool = False  # plain per-step lines on a terminal too, in place of the live display
     trace_cache: Path | None = None  # where traced arms keep their graphs (reference/chunking/trace_cache.py)
+    first_op: str = "off"  # auto | on | off: locate the first op where two arms part (harness/first_op.py)
+    first_op_budget_s: float = 300.0  # the re-run's time limit; auto starts it only if it should fit
 
 
 def trace_cache_dir(flag: str | None) -> Path | None:

@@ -1,4 +1,4 @@
-"""One ``harness run``: prepare -> launch -> read -> judge -> write, each one call.
+"""One ``harness run``: prepare -> launch -> read -> judge -> locate -> write, each one call.
 
 Exit codes are the CI contract: 0 every check passed; 1 a check failed (a regression, a rank
 raising from the system under test included, see triage.py); 2 bad usage, suite or input
@@ -16,6 +16,7 @@ traceback, is logs/harness.log.
 | launch | the launch groups, one after another, under one deadline | :func:`harness.launching.launch_run` |
 | read | what the ranks recorded | :func:`harness.records.read_records` |
 | judge | the checks, the verdict, the golden update | :func:`harness.judge.judge` |
+| locate | the first op where a failed bit-level check's arms part | :func:`harness.first_op.locate_first_op` |
 | write | summary.json, junit.xml, report.html, the console | :func:`harness.outputs.write_outputs` |
 
 ``harness submit`` prepares the same way and launches as Slurm jobs; ``harness collect`` reads a
@@ -28,6 +29,7 @@ import sys
 from typing import TextIO
 
 from harness.cancel import Cancellation, Cancelled
+from harness.first_op import locate_first_op
 from harness.judge import judge
 from harness.launchers import GroupLauncher
 from harness.launchers.local import launch_group
@@ -56,5 +58,5 @@ def judge_run(run: PreparedRun, launch: GroupLauncher, out: TextIO = sys.stdout,
             records = read_records(run.suite, run.run_dir)
         except Cancelled as c:  # the judge says so; the outputs are still written
             launched.cancelled, records = launched.cancelled or c, RunRecords()
-        judgement = judge(run, launched, records)
+        judgement = locate_first_op(run, records, judge(run, launched, records), launch, out)
         return write_outputs(run, launched, records, judgement, out, err)

@@ -9,6 +9,8 @@ here and nowhere else (the README's "Run directory" lists what each file holds):
                    events.rank<k>.jsonl ranks.rank<k>.jsonl pec.rank<k>.jsonl weights.rank<k>.json
     phases/<group>.rank<k>.jsonl
     logs/          harness.log, and each launch group's rank logs
+    first-op/record/  first-op/capture/  (harness/first_op.py) each a run directory of its own, whose
+                   arms/<arm>/ add ops.rank<k>.jsonl (and, in capture/, captured.rank<k>.npz)
 
 A run directory is made here too (:func:`make_run_dir`), never reused, with the harness's own log
 (:func:`harness_log`).
@@ -33,6 +35,7 @@ PHASES_DIR = "phases"
 LOGS_DIR = "logs"
 HARNESS_LOG = f"{LOGS_DIR}/harness.log"
 LAUNCHER_LOG = f"{LOGS_DIR}/launcher.log"  # the elastic agent's own messages
+FIRST_OP_DIR = "first-op"  # the re-runs that record every op (harness/first_op.py), one run directory each
 # Run directories go under ./reports of the working directory: never into an installed package.
 REPORTS_DIR = Path("reports")
 log = logging.getLogger("harness")
@@ -93,6 +96,14 @@ class ArmFiles:
     def weights(self, logical_rank: int) -> Path:
         """One logical rank's parameter hashes after the arm's last update."""
         return self.dir / f"weights.rank{logical_rank}.json"
+
+    def ops(self, rank: int) -> Path:
+        """An op-recording re-run's (harness/first_op.py): process rank ``rank``'s ops, in order."""
+        return self.dir / f"ops.rank{rank}.jsonl"
+
+    def captured(self, rank: int) -> Path:
+        """A capture pass's: the outputs of the one op process rank ``rank`` was asked to keep."""
+        return self.dir / f"captured.rank{rank}.npz"
 
 
 def arm_files(run_dir: Path, arm: str) -> ArmFiles:

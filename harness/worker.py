@@ -10,6 +10,11 @@ it). Every line is flushed, so a crash leaves every finished step on disk. After
 update each process writes its logical ranks' ``weights.rank<k>.json``: a hash of each parameter
 (:func:`harness.digests.final_weights`), so final weights compare bit for bit.
 
+An op-recording re-run's group (``LaunchGroup.record_ops``, harness/first_op.py) runs its arms
+with every op of their steps recorded on the rank's main thread, which sees them all with one
+logical rank per process, and writes ``ops.rank<k>.jsonl`` (and a capture pass's
+``captured.rank<k>.npz``) per arm instead of the Recorder's files.
+
 A throughput run's group lists block positions instead (:mod:`harness.throughput`): the rank
 builds each copy of an arm once, records nothing of the training, and times the positions in
 order into ``throughput.jsonl`` (:func:`measure_throughput`).
@@ -40,7 +45,7 @@ import traceback
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -59,8 +64,11 @@ from harness.records import DigestLine, JsonlWriter, RankLine
 from harness.rundir import THROUGHPUT, ArmFiles, arm_files, phases_file
 from harness.specs import ArmSpec, DebugSpec, SuiteSpec
 from harness.subject import Subject, subject_of
-from harness.subject.protocol import Arm, ArmContext, RankUpdate, StepRecord
+from harness.subject.protocol import Arm, ArmContext, OpsNotRecordable, RankUpdate, StepRecord
 from harness.throughput import stop_reason
+
+if TYPE_CHECKING:
+    from harness.op_divergence import OpRecorder
 
 _PR_SET_PDEATHSIG = 1
 # The harness process (the elastic agent) exports its pid, so a rank can tell it was orphaned.
@@ -279,6 +287,40 @@ class Segment:
     checkpoint: str | None = None
 
 
+@dataclass(frozen=True)
+class OpRecording:
+    """An op-recording re-run's request to one arm in this rank (``LaunchGroup.record_ops``): every
+    op of its steps recorded, and the outputs of the op with index ``capture`` kept, if set."""
+
+    capture: int | None = None
+
+
+@contextlib.contextmanager
+def _recording_ops(
+    subject: Subject, arm: Arm, files: ArmFiles, name: str, steps: int, capture: int | None
+) -> Iterator[OpRecorder | None]:
+    """The arm's steps under an OpRecorder readied by the subject's ``record_ops`` hook, then this
+    rank's op file and, with ``capture``, that op's outputs (harness/op_divergence/files.py). Yields
+    None where the arm cannot be recorded: the op file then holds the refusal, and no step runs."""
+    # Imported here: only an op-recording re-run needs DebugMode.
+    from harness.op_divergence import OpRecorder
+    from harness.op_divergence.files import write_captured, write_ops
+
+    rank = dist.get_rank()
+    recorder = OpRecorder(capture=capture)
+    try:
+        subject.record_ops(arm, recorder)
+    except OpsNotRecordable as refused:
+        write_ops(files.ops(rank), name, rank, steps, [], refused=str(refused))
+        yield None
+        return
+    with recorder:
+        yield recorder
+    write_ops(files.ops(rank), name, rank, steps, recorder.records)
+    if capture is not None:
+        write_captured(files.captured(rank), recorder.captured or [])
+
+
 def _checkpointing(arm: Arm, spec: ArmSpec) -> Any:
     """The arm, which must checkpoint (``Arm.save_checkpoint`` and ``load_checkpoint``)."""
     if not all(hasattr(arm, m) for m in ("save_checkpoint", "load_checkpoint")):
@@ -302,10 +344,13 @@ def run_arm(
     phases: PhaseLog,
     cache_dir: Path | None = None,
     segment: Segment | None = None,
+    ops: OpRecording | None = None,
 ) -> None:
     """Builds the arm from a fresh seed and runs its steps, streaming records; its build, steps and
     finish are three phases. A ``segment`` runs part of the steps: the first of a resumed arm ends
-    with a save, the second starts with a load and appends to the records of the first."""
+    with a save, the second starts with a load and appends to the records of the first. With
+    ``ops`` every op of the steps is recorded, and the arm records nothing through a Recorder but
+    its metrics: the harness's own digests must not run among its ops."""
     rank = dist.get_rank()
     files = arm_files(run_dir, spec.name)
     segment = segment or Segment()
@@ -316,7 +361,7 @@ def run_arm(
         recorder = FileRecorder(files, writers, steps)
         metrics = stack.enter_context(JsonlWriter(files.metrics)) if rank == 0 else None
         with phases.phase("build", arm=spec.name) as build:
-            arm = subject.build(ArmContext(spec, device, steps, recorder, cache_dir))
+            arm = subject.build(ArmContext(spec, device, steps, None if ops is not None else recorder, cache_dir))
             stack.callback(arm.close)
             if arm.graph_build() is not None:
                 build["graph"] = arm.graph_build()
@@ -331,9 +376,17 @@ def run_arm(
             if arm.graph_export() is not None:
                 write_json_atomic(files.graph, arm.graph_export())
         updates_done, last_update = 0, segment.first_step - 1
-        with phases.phase("steps", arm=spec.name) as detail:
+        recording = _recording_ops(subject, arm, files, spec.name, steps, ops.capture) if ops is not None else None
+        with phases.phase("steps", arm=spec.name) as detail, recording or contextlib.nullcontext() as op_recorder:
+            if recording is not None and op_recorder is None:  # refused: the op file says why
+                return
             planned = range(segment.first_step, last + 1)
-            before = functools.partial(_inject_fault, debug, spec.name, rank=rank)
+
+            def before(step: int) -> bool:
+                if op_recorder is not None:
+                    op_recorder.step = step
+                return _inject_fault(debug, spec.name, step, rank)
+
             for record in updates(arm, planned, before, drain=last == steps):
                 updates_done, last_update = updates_done + 1, record.step
                 detail["steps"] = updates_done
@@ -479,6 +532,12 @@ def measure_throughput(
                     break
 
 
+def _op_recording(group: Mapping[str, Any], arm: str) -> OpRecording:
+    """What an op-recording re-run's group asks of ``arm`` in this rank (``LaunchGroup.capture_ops``)."""
+    rank = dist.get_rank()
+    return OpRecording(next((i for name, r, i in group.get("capture_ops", ()) if (name, r) == (arm, rank)), None))
+
+
 @functools.partial(record, error_handler=ErrorFileInRoom())
 def main(argv: list[str]) -> None:
     run_dir, group_name = Path(argv[0]), argv[1]
@@ -509,7 +568,8 @@ def main(argv: list[str]) -> None:
             segment = Segment(group.get("first_step", 1), group.get("last_step"), group.get("checkpoint"))
             for arm in group["arms"]:
                 spec = suite.arms[arm]
-                run_arm(run_dir, subject, spec, suite.steps, suite.debug, device, phases, cache_dir, segment)
+                ops = _op_recording(group, arm) if group.get("record_ops") else None
+                run_arm(run_dir, subject, spec, suite.steps, suite.debug, device, phases, cache_dir, segment, ops)
         with phases.phase("shutdown"):
             dist.destroy_process_group()
     # Every record is closed and the group is gone. A normal interpreter exit would now spend most

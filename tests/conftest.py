@@ -69,6 +69,13 @@ def no_shipped_goldens(tmp_path_factory: pytest.TempPathFactory, monkeypatch: py
 
 
 @pytest.fixture(autouse=True)
+def no_first_op_rerun(monkeypatch: pytest.MonkeyPatch) -> None:
+    """CLI runs do not re-run a failed pair op by op unless a test asks (--first-op, tests/test_first_op.py):
+    every planted failure would otherwise pay for two more launches, minutes over the suite."""
+    monkeypatch.setenv("HARNESS_FIRST_OP", "off")
+
+
+@pytest.fixture(autouse=True)
 def shared_trace_cache(tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch) -> None:
     """Runs share one trace cache per test session (all xdist workers), never the user's own: a traced
     arm is traced once per session, and every later run checks the cached graph as it would a fresh one.

@@ -15,6 +15,7 @@ from dataclasses import replace
 
 import pytest
 import torch
+import torch.distributed as dist
 
 from harness.op_divergence import ArmRun, OpRecord, OpRecorder, compare_ops, describe, first_op_divergence, record_arm
 from harness.reference.chunking import graph_step
@@ -201,3 +202,20 @@ def test_an_arm_that_recorded_no_op_is_refused_not_called_equal() -> None:
     """Two empty recordings agree trivially: the comparison must say nothing was compared."""
     with pytest.raises(ValueError, match="arm a recorded no op"):
         compare_ops([], [])
+
+
+def test_a_collectives_outputs_are_recorded_without_hashes_the_op_reading_them_hashes_what_landed(tmp_path) -> None:
+    """gloo's in-place collectives return before their work lands the data (a rank's all_gather hashed
+    uninitialised memory, the same on both arms, while the cat reading it differed): a hash taken then
+    is noise."""
+    dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
+    try:
+        parts = [torch.empty(4)]
+        with OpRecorder() as recorder:
+            dist.all_gather(parts, torch.arange(4.0))
+            torch.cat(parts)
+    finally:
+        dist.destroy_process_group()
+    gather, cat = recorder.records[-2:]
+    assert gather.op == "c10d.allgather_.default" and gather.hashes == (None,) * len(gather.outputs)
+    assert cat.op == "aten.cat.default" and cat.hashes[0] is not None and cat.absmax == (3.0,)

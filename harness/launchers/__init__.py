@@ -32,7 +32,9 @@ class LaunchGroup:
     run's group instead times the block positions in ``measurements`` (harness/throughput.py).
     A resumed arm's two launches are groups apart from the straight arms' (shared with resumed arms
     that stop and resume alike): ``first_step`` to ``last_step`` (None: the suite's last), the
-    first ending with a save (``checkpoint = "save"``), the second starting with a load (``"load"``)."""
+    first ending with a save (``checkpoint = "save"``), the second starting with a load (``"load"``).
+    An op-recording re-run's groups (harness/first_op.py) set ``record_ops``: every rank records its
+    ops, and keeps the outputs of the op ``capture_ops`` names for it, as (arm, process rank, op index)."""
 
     name: str
     ranks: int
@@ -42,6 +44,8 @@ class LaunchGroup:
     first_step: int = 1
     last_step: int | None = None
     checkpoint: str | None = None
+    record_ops: bool = False
+    capture_ops: tuple[tuple[str, int, int], ...] = ()
 
     def log(self, rank: int) -> str:
         return f"{self.log_dir}/rank{rank}.log"

@@ -11,7 +11,7 @@ the matching was, since an eager arm and a traced arm do not run the same op seq
 """
 
 from harness.op_divergence.compare import Comparison, compare_ops, describe
-from harness.op_divergence.locate import ArmRun, first_op_divergence, output_difference, record_arm
+from harness.op_divergence.locate import ArmRun, first_op_divergence, measured, output_difference, record_arm
 from harness.op_divergence.record import OpRecord, OpRecorder, content_digest
 
 __all__ = [
@@ -23,6 +23,7 @@ __all__ = [
     "content_digest",
     "describe",
     "first_op_divergence",
+    "measured",
     "output_difference",
     "record_arm",
 ]

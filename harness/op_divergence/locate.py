@@ -58,9 +58,13 @@ def _measure(
     """The differing pair's outputs, captured in a second pass of each arm, and their differences."""
     out_a = record_arm(run_a, placeholders=placeholders, capture=op_a.index).captured or []
     out_b = record_arm(run_b, placeholders=placeholders, capture=op_b.index).captured or []
-    reproduced = [content_digest(t) for t in out_a] == list(op_a.hashes) and [content_digest(t) for t in out_b] == list(
-        op_b.hashes
-    )
+    return measured(op_a, out_a, op_b, out_b)
+
+
+def measured(op_a: OpRecord, out_a: list[torch.Tensor], op_b: OpRecord, out_b: list[torch.Tensor]) -> dict[str, Any]:
+    """The differing pair's outputs as a second pass captured them, and their differences, if they
+    hash as the first pass recorded them (``reproduced``): else they are not the outputs compared."""
+    reproduced = all([content_digest(t) for t in out] == list(op.hashes) for op, out in ((op_a, out_a), (op_b, out_b)))
     if not reproduced:
         return {"reproduced": False, "outputs": []}
     return {"reproduced": True, "outputs": [output_difference(x, y) for x, y in zip(out_a, out_b)]}

@@ -20,6 +20,9 @@ memory (``empty``). Three things are added here:
   or mutated each input), and whether an output of it is still alive when recording ends (a
   parameter, an optimizer state: what the run leaves behind). A comparison uses them to tell a
   difference that reaches the arm's state from one that heals or ends in a check.
+* **Collectives in flight.** A torch.distributed collective (an op of the ``c10d`` namespace, such
+  as ``c10d.allgather_``) returns before its work has landed the data in its outputs, so they are
+  recorded without hashes, like placeholders: the op that next reads them hashes what landed.
 * **Bounded memory.** Each op keeps a few short strings and numbers: its output shapes, hashes and
   absolute maxima, and no tensors; the data flow is kept through weak references. Only a capture
   pass (``capture=index``) clones tensors, and only those of the one op it was asked for.
@@ -44,6 +47,9 @@ from torch.utils._dtype_abbrs import dtype_abbrs
 from torch.utils._pytree import tree_leaves
 from torch.utils.weak import WeakIdKeyDictionary
 
+# torch.distributed's collectives: their outputs are still being written when the op returns.
+IN_FLIGHT_NAMESPACE = "c10d"
+
 
 @dataclass(frozen=True)
 class OpRecord:
@@ -63,6 +69,13 @@ class OpRecord:
     def describe(self) -> dict[str, Any]:
         """The record as plain JSON data."""
         return {**asdict(self), "absmax": [json_float(m) for m in self.absmax]}
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> OpRecord:
+        """A record as :meth:`describe` wrote it (a rank's op file), typed again."""
+        absmax = tuple(None if m is None else float(m) for m in data["absmax"])  # "inf" and "nan" as named
+        tuples = {key: tuple(data[key]) for key in ("outputs", "hashes", "inputs")}
+        return cls(**{**data, **tuples, "absmax": absmax})
 
 
 def content_digest(tensor: torch.Tensor) -> str:
@@ -112,7 +125,8 @@ class OpRecorder:
     """A context manager that records the ops run on this thread, in order, as :class:`OpRecord`.
 
     ``placeholders`` names ops (``str(op)``) whose outputs are placeholders of no defined content,
-    such as an exchange launch's receive slot. Their outputs are recorded without hashes.
+    such as an exchange launch's receive slot. Their outputs are recorded without hashes. A subject's
+    ``record_ops`` hook (harness/subject/protocol.py) adds its own before recording starts.
     ``capture`` asks for a clone of the outputs of the op with that index, in ``captured``.
     Set ``step`` before each training step to label its ops.
     """
@@ -195,7 +209,8 @@ class OpRecorder:
         log = call.log
         op = str(call.op)
         hashes = tuple(h for h in tree_leaves(log.get("hash")) if h is not None)
-        if op in self.placeholders or len(hashes) != len(log["outputs"]):  # placeholders, uninitialised memory
+        in_flight = op.partition(".")[0] == IN_FLIGHT_NAMESPACE
+        if in_flight or op in self.placeholders or len(hashes) != len(log["outputs"]):  # or uninitialised memory
             hashes, absmax = (None,) * len(log["outputs"]), (None,) * len(log["outputs"])
         else:
             absmax = log["absmax"]

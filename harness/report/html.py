@@ -1,5 +1,5 @@
-"""Self-contained HTML report: verdict, throughput, checks grouped by kind, metric overlays and
-differences, per-step values, manifest.
+"""Self-contained HTML report: verdict, throughput, checks grouped by kind, the first op where two
+arms part, metric overlays and differences, per-step values, manifest.
 
 Everything is inline (plots as base64 PNG, CSS in the template), so the file opens offline and can
 be attached to a CI run or a pull request as it is.
@@ -18,6 +18,7 @@ import pandas as pd
 from harness.files import write_text_atomic
 from harness.report.checks import group_by_kind, problems_first, status_counts, tally, verdict_label
 from harness.report.figures import integer_ticks, literal, new_figure, png_base64
+from harness.report.first_op import first_op_view
 from harness.report.throughput import throughput_view
 from harness.report.timing import timing_view
 
@@ -184,6 +185,7 @@ def write_html(
         verdict=verdict_label(summary.get("verdict"), summary.get("label")),
         tally=tally(status_counts(checks)),
         groups=group_by_kind(checks),
+        first_op=first_op_view(checks),
         value_lines=_value_lines,
         throughput=throughput_view(summary["throughput"], throughput) if summary.get("throughput") else None,
         plots=[

@@ -33,6 +33,7 @@ if TYPE_CHECKING:
     import torch
 
     from harness.checks.registry import SuiteReader
+    from harness.op_divergence import OpRecorder
     from harness.specs import ArmSpec
 
 # Record families: what an arm can record, each through one Recorder method or Arm property.
@@ -56,6 +57,11 @@ class CheckpointRefused(Exception):
     """A checkpoint an arm must not load (partial, damaged, or of another config); the message is one
     line naming the file and what is missing. Bad input, not a regression: a rank that raises it
     ends the run with exit 2 (triage.py)."""
+
+
+class OpsNotRecordable(Exception):
+    """An arm whose ops cannot be recorded op by op (``Subject.record_ops``); the message is one line
+    naming why. A rank that meets it records nothing and trains nothing; the harness says why."""
 
 
 @dataclass(frozen=True)
@@ -198,6 +204,15 @@ class Subject(Protocol):
     def cache_problem(self, cache_dir: Path) -> str | None:
         """Optional: why ``cache_dir`` must not be used (an unsafe folder), or None; checked before
         launching. A subject without it caches nothing, or trusts the folder."""
+
+    def record_ops(self, arm: Arm, recorder: OpRecorder) -> None:
+        """Optional: readies a built ``arm`` to have the ops of its steps recorded by ``recorder``
+        (harness/op_divergence/), a dispatch mode that sees this thread only. It adds the ops whose
+        outputs hold no data yet to ``recorder.placeholders`` (an exchange launch's receive slot) and
+        routes a traced step through ``recorder.interpret``, so that each op gets its node's module.
+        Raises :class:`OpsNotRecordable` where the arm's ops do not all run on this thread as ops
+        (compiled kernels, a model of an oracle beside it). A subject without it is refused before
+        any re-run is launched (``harness run --first-op``)."""
 
 
 @dataclass(frozen=True)

@@ -18,6 +18,7 @@ from harness.subject.reference.arms import TRAIN_FIELDS, parse_arms
 
 if TYPE_CHECKING:
     from harness.checks.registry import SuiteReader
+    from harness.op_divergence import OpRecorder
     from harness.specs import ArmSpec
 
 
@@ -36,6 +37,10 @@ class ReferenceSubject:
         from harness.subject.reference.arm import ReferenceArm  # torch and the model: in the ranks only
 
         return ReferenceArm(context)
+
+    def record_ops(self, arm: protocol.Arm, recorder: OpRecorder) -> None:
+        """A plain arm with one logical rank per process, eager or traced (not by regional Inductor)."""
+        arm.record_ops(recorder)
 
     def cache_problem(self, cache_dir: Path) -> str | None:
         """Why the trace cache folder is unsafe to load graphs from (reference/chunking/trace_cache.py)."""

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -25,8 +25,12 @@ from harness.reference.pec import PECConfig, PECTrainer
 from harness.reference.pipeline import PipelineConfig, VersionedTrainer
 from harness.reference.train import RankUpdate as ReferenceUpdate
 from harness.reference.train import Trainer
-from harness.subject.protocol import ArmContext, CheckpointRefused, RankUpdate, StepRecord
+from harness.subject.protocol import ArmContext, CheckpointRefused, OpsNotRecordable, RankUpdate, StepRecord
 from harness.subject.reference.arms import train_config
+from harness.subject.reference.op_trace import prepare_recording
+
+if TYPE_CHECKING:
+    from harness.op_divergence import OpRecorder
 
 # PipelineConfig.trainer -> the class that runs such an arm.
 PIPELINE_TRAINERS: dict[str, type[Trainer]] = {"versioned": VersionedTrainer, "delayed-oracle": DelayedOracleTrainer}
@@ -40,6 +44,7 @@ class ReferenceArm:
 
     def __init__(self, context: ArmContext) -> None:
         self.config = train_config(context.arm.train)
+        self.oracle = context.arm.oracle
         self.offset = 1 if isinstance(self.config, PipelineConfig) else 0
         self.data_offset = 0  # a resumed arm's batches: its data position against the harness's step
         self.resumed_from: int | None = None
@@ -76,6 +81,13 @@ class ReferenceArm:
             return PECTrainer(config, **sinks, pec_sink=pec_sink, batches=context.steps)
         cache = GraphCache(context.cache_dir) if context.cache_dir else None
         return Trainer(config, **sinks, trace_cache=cache)
+
+    def record_ops(self, recorder: OpRecorder) -> None:
+        """Readies the trainer for ``recorder`` (the subject's ``record_ops``); an arm that trains an
+        oracle's model in lockstep is refused: the oracle's ops would be recorded as the arm's."""
+        if self.oracle:
+            raise OpsNotRecordable(f"recording ops: the arm trains beside an oracle ({self.oracle}), whose ops mix in")
+        prepare_recording(self.trainer, recorder)
 
     def _update_of(self, step: int) -> int:
         """The harness's update number of the trainer's ``step`` (its batch number, once resumed)."""
