@@ -83,7 +83,8 @@ def test_tiny_dp_throughput_is_measured_in_abba_blocks(run_harness, tmp_path: Pa
     tokens_per_step = 2 * 4 * 16  # 2 ranks x local_batch x seq_len
     assert all(r["tokens_per_s"] * r["seconds"] == pytest.approx(2 * tokens_per_step) for r in rows)
     gate = summary["throughput"]
-    assert 0 < gate["low"] <= gate["ratio"] <= gate["high"] and len(gate["per_block_ratios"]) == 4  # bounded from 4 blocks
+    # 4 blocks: the fewest from which the interval is bounded
+    assert 0 < gate["low"] <= gate["ratio"] <= gate["high"] and len(gate["per_block_ratios"]) == 4
 
 
 def test_every_check_family_reads_only_record_families_the_protocol_defines() -> None:

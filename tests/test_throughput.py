@@ -264,8 +264,17 @@ def test_abba_of_an_arm_against_itself_never_fails(run_harness, tmp_path: Path) 
             "throughput.budget_s 900 is not under --timeout 600: the launch would be stopped before the budget",
         ),
     ],
-    ids=["no-arms", "one-block", "unknown-arm", "negative-gate", "oracle-arm", "blocks-word", "max-blocks", "budget",
-         "budget-over-timeout"],  # fmt: skip
+    ids=[
+        "no-arms",
+        "one-block",
+        "unknown-arm",
+        "negative-gate",
+        "oracle-arm",
+        "blocks-word",
+        "max-blocks",
+        "budget",
+        "budget-over-timeout",
+    ],  # fmt: skip
 )
 def test_bad_abba_usage_exits_2_with_one_line(run_harness, tmp_path: Path, args: tuple, message: str) -> None:
     run = run_harness("abba", *args, "--out", tmp_path / "run")
