@@ -253,6 +253,15 @@ def test_each_fault_is_caught_at_run_time(
     assert failing_invariants <= {r.name for r in results if r.status == "fail"}
 
 
+def test_a_router_fault_trains_a_graph_arm_as_it_trains_an_eager_one() -> None:
+    # A router fault lives in the model, not in the graph passes: the graph arm takes it as eager does.
+    scaled = replace(CONFIG, model_overrides={"routed_scaling_factor": 2.5})  # cpu-tiny's is 1: twice is once
+    faulty = replace(scaled, fault="routed-scaling-twice")
+    graph = trajectory(replace(faulty, chunking="graph"), 1)
+    assert graph["metrics"] == trajectory(replace(faulty, chunking="eager"), 1)["metrics"]
+    assert graph["metrics"] != trajectory(replace(scaled, chunking="eager"), 1)["metrics"]
+
+
 def test_eager_chunks_annotate_only_while_their_own_thread_traces() -> None:
     """Preserving FX node metadata is process-wide: while another logical rank's thread compiles
     (dynamo sets it), this thread's eager chunks must not write FX's global annotation, or both

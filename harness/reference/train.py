@@ -336,7 +336,7 @@ class Trainer:
             chunks=config.chunks,
             chunk_roots=config.chunk_roots,
             num_buffer_sets=config.num_buffer_sets,
-            fault=config.fault,
+            fault=config.fault if config.fault in FAULTS else "none",  # a router fault is the model's
             inductor_pattern=ATTENTION if config.compile_attention else None,
         )
         cache = None
