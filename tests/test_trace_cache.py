@@ -20,15 +20,13 @@ from harness.prepare import usable_trace_cache
 from harness.reference.chunking.graph_step import ScheduledGraph
 from harness.reference.chunking.trace_cache import (
     REFERENCE_ROOT,
-    TAG_BYTES,
     CacheSlot,
     GraphCache,
-    TraceCacheError,
-    default_key_file,
     open_cache,
 )
 from harness.reference.train import TrainConfig, Trainer
 from harness.subject import load_subject
+from harness.trust import TAG_BYTES, TrustError, default_key_file
 
 CONFIG = TrainConfig(ep=1, chunking="eager-traced")
 TAG_MISMATCH = "refused (its tag does not match the user's key: altered, cut short or signed with another key)"
@@ -220,7 +218,7 @@ def test_a_folder_others_could_write_is_neither_read_nor_written(
     assert retraced.graph_build["origin"] == "trace"
     assert retraced.graph_build["cache"].startswith(f"off ({folder}: {why}")
     assert [entry] == list(folder.iterdir()) and entry.read_bytes() == written
-    with pytest.raises(TraceCacheError, match=why):
+    with pytest.raises(TrustError, match=why):
         open_cache(folder)
 
 

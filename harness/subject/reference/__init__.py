@@ -12,9 +12,10 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 import harness.reference
-from harness.reference.chunking.trace_cache import TraceCacheError, open_cache
+from harness.reference.chunking.trace_cache import open_cache
 from harness.subject import protocol
 from harness.subject.reference.arms import TRAIN_FIELDS, parse_arms
+from harness.trust import TrustError
 
 if TYPE_CHECKING:
     from harness.checks.registry import SuiteReader
@@ -46,7 +47,7 @@ class ReferenceSubject:
         """Why the trace cache folder is unsafe to load graphs from (reference/chunking/trace_cache.py)."""
         try:
             open_cache(cache_dir)
-        except TraceCacheError as error:
+        except TrustError as error:
             return f"trace cache {error.path}: not used: {error.why}; tracing instead"
         return None
 
