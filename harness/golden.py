@@ -21,7 +21,7 @@ import numpy as np
 import pandas as pd
 
 from harness.compare import CheckResult, Exact, compare_series, format_steps, tier_from_spec
-from harness.environment import FINGERPRINT_KEYS
+from harness.environment import FINGERPRINT_KEYS, split_env_key
 from harness.files import remove_stale_temps, write_json_atomic
 from harness.shipped import SOURCE_ROOT, in_checkout
 
@@ -302,25 +302,20 @@ def config_differences(golden: dict, run: dict) -> list[str]:
     ]
 
 
-def _key_parts(key: str) -> tuple[str, str, str, str]:
-    """(device class, backend, dtype, torch) of "<device class>-<backend>-<dtype>-torch<major.minor>"."""
-    device, backend, dtype, torch_version = key.rsplit("-", 3)
-    return device, backend, dtype, torch_version
-
-
 def comparable_goldens(suite_dir: Path, key: str) -> list[Path]:
     """Goldens of other environments a run keyed ``key`` may compare with at the cross-environment
     tier: same device family (cpu, cuda), backend and dtype. Best first: same torch, then pinned."""
-    device, backend, dtype, torch_version = _key_parts(key)
+    mine = split_env_key(key)
     found = []
     for path in sorted(suite_dir.glob("*.json")):
         try:
-            other = _key_parts(path.stem)
+            other = split_env_key(path.stem)
         except ValueError:
             continue
-        if path.stem != key and (other[0].split("-")[0], *other[1:3]) == (device.split("-")[0], backend, dtype):
+        family = other.device.split("-")[0] == mine.device.split("-")[0]
+        if path.stem != key and family and (other.backend, other.dtype) == (mine.backend, mine.dtype):
             found.append(path)
-    return sorted(found, key=lambda p: (_key_parts(p.stem)[3] != torch_version, "-pinned-" not in p.stem + "-", p.stem))
+    return sorted(found, key=lambda p: (split_env_key(p.stem).torch != mine.torch, "-pinned-" not in p.stem, p.stem))
 
 
 def shown_path(path: Path, root: Path) -> str:
@@ -416,7 +411,7 @@ class GoldenPlan:
         unjudged = sum(c.kind == "golden" for c in checks) - len(judged)
         rest = f"; {unjudged} not evaluated" if unjudged else ""
         where, how = self.shown(self.compared), self.how
-        loosely = loose_lead(self.path.stem, self.golden.env_key, "compared") if self.cross_env else ""
+        loosely = loose_lead(self.path.stem, self.golden.env_key, "compared") + ": " if self.cross_env else ""
         if not judged:
             return f"golden: {loosely}{unjudged} checks against {where} not evaluated" if unjudged else None
         if differ:
@@ -428,8 +423,8 @@ def loose_lead(key: str, other: str, verb: str) -> str:
     """How the golden lines (the plan, the outcome, ``harness golden status``) start when the
     golden of this environment ``key`` is missing and ``other``'s is compared instead, so that a
     reader sees the check was loose before reading its counts: "this environment's golden (<key>)
-    is missing; <verb> loosely with <other> at the cross-environment tier: "."""
-    return f"this environment's golden ({key}) is missing; {verb} loosely with {other} at the cross-environment tier: "
+    is missing; <verb> loosely with <other> at the cross-environment tier"."""
+    return f"this environment's golden ({key}) is missing; {verb} loosely with {other} at the cross-environment tier"
 
 
 def golden_config(suite: SuiteSpec) -> dict:
@@ -526,7 +521,7 @@ def plan_golden(
         return plan("off", note="golden: not compared (--golden off)")
     if requested == "update":
         try:
-            existing = _load_for(path, suite) if path.is_file() else None
+            existing = load_golden_for(path, suite) if path.is_file() else None
         except GoldenError as e:
             return plan("update", note=f"replacing an unreadable golden: {e}")
         return plan("update", existing)
@@ -538,7 +533,7 @@ def plan_golden(
         if requested == "check":
             raise GoldenError(path, None, f"--golden check: {reason}; record one with: harness golden update {suite}")
         return plan("off", note=f"golden: not compared: {reason}")
-    golden = _load_for(source, suite)
+    golden = load_golden_for(source, suite)
     differences = config_differences({**golden.config, "steps": None}, {**config, "steps": None})
     if config["steps"] > golden.steps:
         differences.append(f"steps: golden {golden.steps}, this run {config['steps']} (longer than its golden)")
@@ -551,11 +546,12 @@ def plan_golden(
     tier = golden.tier if source == path else tier_from_spec(cross_env_tier).spec()
     how = tier_from_spec(tier).describe()
     prefix = f", its first {config['steps']} of {golden.steps} steps" if config["steps"] < golden.steps else ""
-    lead = "will compare with " if source == path else loose_lead(key, golden.env_key, "will compare")
+    lead = "will compare with " if source == path else loose_lead(key, golden.env_key, "will compare") + ": "
     return plan("check", golden, tier, f"golden: {lead}{shown(source)}{prefix}, {how}", how)
 
 
-def _load_for(path: Path, suite: str) -> Golden:
+def load_golden_for(path: Path, suite: str) -> Golden:
+    """load_golden, refusing a golden of another suite: one filed in the wrong folder."""
     golden = load_golden(path)
     if golden.suite != suite:
         raise GoldenError(path, "suite", f"golden is for suite {golden.suite!r}, not {suite!r}")
