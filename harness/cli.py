@@ -1,4 +1,4 @@
-"""The ``harness`` command: list, run, abba, golden update, ci, submit, collect, report, doctor.
+"""The ``harness`` command: list, run, abba, golden update/status/table, ci, submit, collect, report, doctor.
 
 Exit codes (run, abba and golden update): 0 pass, 1 a check failed (a regression), 2 bad usage,
 suite or input, 3 infrastructure (a rank killed or hung, a timeout, a launch failure, an internal
@@ -24,10 +24,11 @@ from pathlib import Path
 
 from harness.cancel import Cancelled
 from harness.ci import run_gate
-from harness.environment import CPU_ISAS, cuda_preflight, describe_environment
+from harness.environment import CPU_ISAS, cpu_pin, cuda_preflight, describe_environment
 from harness.first_op import MODE_ENV as FIRST_OP_ENV
 from harness.first_op import MODES as FIRST_OP_MODES
 from harness.golden import GOLDEN_MODES, GoldenError
+from harness.golden_status import golden_inventory, golden_table, status_lines, write_readme_table
 from harness.launchers.slurm.profile import load_profile
 from harness.outputs import rerender
 from harness.prepare import GOLDEN_DIR, RunOptions, UsageError, trace_cache_dir
@@ -67,19 +68,9 @@ def _add_run_arguments(
     parser.add_argument(
         "--timeout", type=float, default=600.0, metavar="S", help="wall-clock limit for all launches (default 600)"
     )
-    parser.add_argument(
-        "--golden-dir",
-        type=Path,
-        default=GOLDEN_DIR,
-        metavar="DIR",
-        help="golden root (default: the shipped goldens, or $HARNESS_GOLDEN_DIR)",
-    )
+    _add_golden_dir_argument(parser)
     _add_suites_dir_argument(parser)
-    parser.add_argument(
-        "--cpu-isa", choices=CPU_ISAS, default="avx2",
-        help="CPU kernels: avx2 (default) pins them, so goldens check bitwise on any x86-64 with AVX2;"
-        " native: full speed",
-    )  # fmt: skip
+    _add_cpu_isa_argument(parser)
     parser.add_argument(
         "--trace-cache",
         metavar="DIR|off",
@@ -97,6 +88,24 @@ def _add_run_arguments(
     parser.add_argument(
         "--verbose", action="store_true", help="print every step as a plain line, also on a terminal (no live display)"
     )
+
+
+def _add_golden_dir_argument(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--golden-dir",
+        type=Path,
+        default=GOLDEN_DIR,
+        metavar="DIR",
+        help="golden root (default: the shipped goldens, or $HARNESS_GOLDEN_DIR)",
+    )
+
+
+def _add_cpu_isa_argument(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--cpu-isa", choices=CPU_ISAS, default="avx2",
+        help="CPU kernels: avx2 (default) pins them, so goldens check bitwise on any x86-64 with AVX2;"
+        " native: full speed",
+    )  # fmt: skip
 
 
 def _add_suites_dir_argument(parser: argparse.ArgumentParser) -> None:
@@ -146,6 +155,21 @@ def build_parser() -> argparse.ArgumentParser:
     _add_run_arguments(
         golden_commands.add_parser("update", help="run a suite and record its golden for this environment")
     )
+    status = golden_commands.add_parser(
+        "status",
+        help="one line per suite: ok, or missing (this machine's CPU env key has no golden) and what a run"
+        " compares with instead",
+    )
+    table = golden_commands.add_parser(
+        "table", help="print the Markdown table of which suite has which environment's golden"
+    )
+    table.add_argument(
+        "--write", type=Path, metavar="README", help="put the table between README's golden-table markers instead"
+    )
+    for reader in (status, table):
+        _add_golden_dir_argument(reader)
+        _add_suites_dir_argument(reader)
+    _add_cpu_isa_argument(status)
     abba = commands.add_parser(
         "abba",
         help="time arm B against arm A in ABBA blocks and gate on the slowdown",
@@ -189,13 +213,7 @@ def build_parser() -> argparse.ArgumentParser:
     doctor = commands.add_parser(
         "doctor", help="print versions, devices, backends, the env key runs use and its goldens"
     )
-    doctor.add_argument(
-        "--golden-dir",
-        type=Path,
-        default=GOLDEN_DIR,
-        metavar="DIR",
-        help="golden root (default: the shipped goldens, or $HARNESS_GOLDEN_DIR)",
-    )
+    _add_golden_dir_argument(doctor)
     doctor.add_argument(
         "--device",
         choices=("cpu", "cuda"),
@@ -396,7 +414,7 @@ def _command(args: argparse.Namespace, argv: list[str]) -> int:
             raise UsageError(f"--timeout: expected a finite number of seconds > 0, got {args.timeout:g}")
         return collect_run(args.run_dir, RunOptions(timeout_s=args.timeout, verbose=args.verbose))
     if args.command == "golden":
-        return _run(args, argv, "update")
+        return _golden(args, argv)
     if args.command == "abba":
         return _run(args, argv, "off")
     if args.command == "ci":
@@ -410,6 +428,21 @@ def _command(args: argparse.Namespace, argv: list[str]) -> int:
         print(f"{key:<14} {value}")
     if args.device == "cuda" or args.step:
         return _preflight(args.device, args.ranks)
+    return EXIT_PASS
+
+
+def _golden(args: argparse.Namespace, argv: list[str]) -> int:
+    """``harness golden update`` runs the suite; ``status`` and ``table`` read the goldens only."""
+    if args.golden_command == "update":
+        return _run(args, argv, "update")
+    inventory = golden_inventory(args.golden_dir, _suites_dir(args))
+    if args.golden_command == "status":
+        print("\n".join(status_lines(inventory, cpu_pin(args.cpu_isa))))
+    elif args.write:
+        changed = write_readme_table(args.write, golden_table(inventory))
+        print(f"{'wrote' if changed else 'unchanged:'} the golden table in {args.write}")
+    else:
+        print(golden_table(inventory), end="")
     return EXIT_PASS
 
 

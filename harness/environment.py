@@ -26,7 +26,7 @@ import subprocess
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -221,6 +221,34 @@ def env_key(device: str, backend: str, dtype: str, torch_version: str) -> str:
     dtype = dtype.removeprefix("torch.")
     parts = [_slug("device", device), _slug("backend", backend), _slug("dtype", dtype)]
     return "-".join(parts + [f"torch{match[1]}.{match[2]}"])
+
+
+# The collective backends torch.distributed names; an env key's backend is one of them.
+BACKENDS = ("gloo", "nccl", "mpi")
+
+
+class EnvKey(NamedTuple):
+    """An env key's parts: the device class, backend, dtype and torch major.minor ("torch2.13")."""
+
+    device: str
+    backend: str
+    dtype: str
+    torch: str
+
+    @property
+    def environment(self) -> str:
+        """The key without its dtype ("cpu-pinned-avx2-amd-gloo-torch2.13"): the machine class and
+        toolchain whose goldens of every dtype ``harness golden table`` shows in one column."""
+        return f"{self.device}-{self.backend}-{self.torch}"
+
+
+def split_env_key(key: str) -> EnvKey:
+    """The parts of a key env_key made; ValueError for any other string. Split at the backend,
+    since a device class ("cpu-pinned-avx2-amd") and a dtype ("bf16-mixed") may both hold dashes."""
+    match = re.fullmatch(rf"(.+?)-({'|'.join(BACKENDS)})-(.+)-(torch\d+\.\d+)", key)
+    if not match:
+        raise ValueError(f"{key!r} is not <device class>-<{'|'.join(BACKENDS)}>-<dtype>-torch<major.minor>")
+    return EnvKey(*match.groups())
 
 
 def run_env_key(device: str, dtype: str, pin: CpuPin | None = None) -> str:

@@ -21,7 +21,7 @@ import numpy as np
 import pandas as pd
 
 from harness.compare import CheckResult, Exact, compare_series, format_steps, tier_from_spec
-from harness.environment import FINGERPRINT_KEYS
+from harness.environment import FINGERPRINT_KEYS, split_env_key
 from harness.files import remove_stale_temps, write_json_atomic
 from harness.shipped import SOURCE_ROOT, in_checkout
 
@@ -302,25 +302,20 @@ def config_differences(golden: dict, run: dict) -> list[str]:
     ]
 
 
-def _key_parts(key: str) -> tuple[str, str, str, str]:
-    """(device class, backend, dtype, torch) of "<device class>-<backend>-<dtype>-torch<major.minor>"."""
-    device, backend, dtype, torch_version = key.rsplit("-", 3)
-    return device, backend, dtype, torch_version
-
-
 def comparable_goldens(suite_dir: Path, key: str) -> list[Path]:
     """Goldens of other environments a run keyed ``key`` may compare with at the cross-environment
     tier: same device family (cpu, cuda), backend and dtype. Best first: same torch, then pinned."""
-    device, backend, dtype, torch_version = _key_parts(key)
+    mine = split_env_key(key)
     found = []
     for path in sorted(suite_dir.glob("*.json")):
         try:
-            other = _key_parts(path.stem)
+            other = split_env_key(path.stem)
         except ValueError:
             continue
-        if path.stem != key and (other[0].split("-")[0], *other[1:3]) == (device.split("-")[0], backend, dtype):
+        family = other.device.split("-")[0] == mine.device.split("-")[0]
+        if path.stem != key and family and (other.backend, other.dtype) == (mine.backend, mine.dtype):
             found.append(path)
-    return sorted(found, key=lambda p: (_key_parts(p.stem)[3] != torch_version, "-pinned-" not in p.stem + "-", p.stem))
+    return sorted(found, key=lambda p: (split_env_key(p.stem).torch != mine.torch, "-pinned-" not in p.stem, p.stem))
 
 
 def shown_path(path: Path, root: Path) -> str:
@@ -348,6 +343,10 @@ class GoldenPlan:
     # This run's environment (environment.fingerprint): what update records as provenance, and what a
     # failed check compares with the golden's to tell drift from a regression. None: not recorded.
     fingerprint: dict[str, str | None] | None = None
+    # No golden for this run's own env key when the run was planned: a check then compares loosely with
+    # another environment's golden, and the console and summary.json say so, since a bug that moves the
+    # numbers by less than the cross-environment tier passes such a run.
+    missing: bool = False
 
     @property
     def cross_env(self) -> bool:
@@ -371,18 +370,21 @@ class GoldenPlan:
             "tier": self.tier,
             "note": self.note,
             "fingerprint": self.fingerprint,
+            "missing_for_this_environment": self.missing,
         }
 
     @classmethod
     def from_record(cls, record: dict) -> GoldenPlan:
         """The plan :meth:`record` wrote, with the golden it compares with loaded again; an older
-        harness's record has no fingerprint."""
+        harness's record has no fingerprint, nor whether its own golden was missing (then a check
+        against another environment's golden tells)."""
         compared = record["compared"]
         root = Path(record["root"]) if record["root"] else None
         golden = load_golden(Path(compared)) if compared else None
         how = tier_from_spec(record["tier"]).describe() if record["tier"] else None
-        fingerprint = record.get("fingerprint")
-        return cls(record["mode"], Path(record["path"]), golden, record["tier"], record["note"], root, how, fingerprint)
+        fingerprint, path = record.get("fingerprint"), Path(record["path"])
+        missing = record.get("missing_for_this_environment", golden is not None and golden.env_key != path.stem)
+        return cls(record["mode"], path, golden, record["tier"], record["note"], root, how, fingerprint, missing)
 
     def summary(self, outcome: str | None) -> dict:
         """summary.json's ``golden``: the plan announced before the run and the ``outcome`` judged
@@ -394,6 +396,8 @@ class GoldenPlan:
             "tier": self.tier,
             "plan": self.note,
             "outcome": outcome,
+            "missing_for_this_environment": self.missing,
+            "compared_env_key": self.golden.env_key if self.compared else None,
         }
 
     def outcome(self, checks: list[CheckResult]) -> str | None:
@@ -407,11 +411,20 @@ class GoldenPlan:
         unjudged = sum(c.kind == "golden" for c in checks) - len(judged)
         rest = f"; {unjudged} not evaluated" if unjudged else ""
         where, how = self.shown(self.compared), self.how
+        loosely = loose_lead(self.path.stem, self.golden.env_key, "compared") + ": " if self.cross_env else ""
         if not judged:
-            return f"golden: {unjudged} checks against {where} not evaluated" if unjudged else None
+            return f"golden: {loosely}{unjudged} checks against {where} not evaluated" if unjudged else None
         if differ:
-            return f"golden: {differ} of {len(judged)} checks differ from {where} ({how}){rest}"
-        return f"golden: {len(judged)} of {len(judged)} checks match {where} ({how}){rest}"
+            return f"golden: {loosely}{differ} of {len(judged)} checks differ from {where} ({how}){rest}"
+        return f"golden: {loosely}{len(judged)} of {len(judged)} checks match {where} ({how}){rest}"
+
+
+def loose_lead(key: str, other: str, verb: str) -> str:
+    """How the golden lines (the plan, the outcome, ``harness golden status``) start when the
+    golden of this environment ``key`` is missing and ``other``'s is compared instead, so that a
+    reader sees the check was loose before reading its counts: "this environment's golden (<key>)
+    is missing; <verb> loosely with <other> at the cross-environment tier"."""
+    return f"this environment's golden ({key}) is missing; {verb} loosely with {other} at the cross-environment tier"
 
 
 def golden_config(suite: SuiteSpec) -> dict:
@@ -490,6 +503,7 @@ def plan_golden(
     a run shorter than its golden compares its first steps, a longer one is another configuration.
     """
     path = golden_dir / suite / f"{key}.json"
+    missing = not path.is_file()
 
     def plan(
         mode: str,
@@ -498,7 +512,7 @@ def plan_golden(
         note: str | None = None,
         how: str | None = None,
     ) -> GoldenPlan:
-        return GoldenPlan(mode, path, golden, tier, note, golden_dir, how, fingerprint)
+        return GoldenPlan(mode, path, golden, tier, note, golden_dir, how, fingerprint, missing)
 
     def shown(where: Path) -> str:
         return shown_path(where, golden_dir)
@@ -507,11 +521,11 @@ def plan_golden(
         return plan("off", note="golden: not compared (--golden off)")
     if requested == "update":
         try:
-            existing = _load_for(path, suite) if path.is_file() else None
+            existing = load_golden_for(path, suite) if path.is_file() else None
         except GoldenError as e:
             return plan("update", note=f"replacing an unreadable golden: {e}")
         return plan("update", existing)
-    source = path if path.is_file() else next(iter(comparable_goldens(golden_dir / suite, key)), None)
+    source = path if not missing else next(iter(comparable_goldens(golden_dir / suite, key)), None)
     if source is None:
         recorded = sorted(p.stem for p in (golden_dir / suite).glob("*.json"))
         found = f"recorded: {', '.join(recorded)}; none comparable" if recorded else "none recorded for this suite"
@@ -519,7 +533,7 @@ def plan_golden(
         if requested == "check":
             raise GoldenError(path, None, f"--golden check: {reason}; record one with: harness golden update {suite}")
         return plan("off", note=f"golden: not compared: {reason}")
-    golden = _load_for(source, suite)
+    golden = load_golden_for(source, suite)
     differences = config_differences({**golden.config, "steps": None}, {**config, "steps": None})
     if config["steps"] > golden.steps:
         differences.append(f"steps: golden {golden.steps}, this run {config['steps']} (longer than its golden)")
@@ -531,12 +545,13 @@ def plan_golden(
         )
     tier = golden.tier if source == path else tier_from_spec(cross_env_tier).spec()
     how = tier_from_spec(tier).describe()
-    where = shown(source) if source == path else f"{shown(source)} (cross-environment: no golden for {key})"
     prefix = f", its first {config['steps']} of {golden.steps} steps" if config["steps"] < golden.steps else ""
-    return plan("check", golden, tier, f"golden: will compare with {where}{prefix}, {how}", how)
+    lead = "will compare with " if source == path else loose_lead(key, golden.env_key, "will compare") + ": "
+    return plan("check", golden, tier, f"golden: {lead}{shown(source)}{prefix}, {how}", how)
 
 
-def _load_for(path: Path, suite: str) -> Golden:
+def load_golden_for(path: Path, suite: str) -> Golden:
+    """load_golden, refusing a golden of another suite: one filed in the wrong folder."""
     golden = load_golden(path)
     if golden.suite != suite:
         raise GoldenError(path, "suite", f"golden is for suite {golden.suite!r}, not {suite!r}")

@@ -244,6 +244,7 @@ def test_golden_update_then_a_moved_golden_fails_as_a_regression_or_as_drift(run
     summary = check.summary(tmp_path / "check")
     assert (summary["golden"]["plan"], summary["golden"]["outcome"]) == (plan, outcome)
     assert summary["golden"]["compared"] == f"determinism/{CPU_KEY}.json"
+    assert summary["golden"]["compared_env_key"] == CPU_KEY and not summary["golden"]["missing_for_this_environment"]
     assert str(tmp_path) not in json.dumps(summary["golden"])
     assert (summary["label"], summary["label_line"]) == ("regression", lines[-1])
 
@@ -285,10 +286,17 @@ def test_golden_of_another_cpu_isa_is_compared_at_the_cross_env_tier(run_harness
     out = tmp_path / "pinned"
     run = run_harness("run", *common, "--golden", "check", "--out", out)
     assert run.returncode == 0, run.stdout + run.stderr
-    plan = f"golden: will compare with logical-ranks/{recorded.name} (cross-environment: no golden for {CPU_KEY})"
-    assert f"{plan}, within rtol=0.0001 atol=0" in run.stdout
+    missing = f"golden: this environment's golden ({CPU_KEY}) is missing; "
+    loosely = f"loosely with {recorded.stem} at the cross-environment tier: "
+    plan = f"{missing}will compare {loosely}logical-ranks/{recorded.name}, within rtol=0.0001 atol=0"
+    outcome = f"{missing}compared {loosely}4 of 4 checks match logical-ranks/{recorded.name}"
+    outcome += " (within rtol=0.0001 atol=0)"
+    assert plan in run.stdout.splitlines() and outcome in run.stdout.splitlines()
     loss = run.check(out, "golden:procs:loss")
     assert loss["status"] == "pass" and loss["detail"].startswith(f"cross-environment vs {recorded.stem}: 3 steps")
+    golden = run.summary(out)["golden"]
+    assert (golden["plan"], golden["outcome"]) == (plan, outcome)
+    assert (golden["missing_for_this_environment"], golden["compared_env_key"]) == (True, recorded.stem)
     arm = json.loads((out / "arms" / "procs" / "arm.json").read_text())
     assert arm["cpu_capability"] == "avx2"  # the pin reached the ranks
     assert json.loads((out / "manifest.json").read_text())["cpu_isa"]["env"]["ATEN_CPU_CAPABILITY"] == "avx2"

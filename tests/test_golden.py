@@ -287,6 +287,8 @@ def test_own_golden_is_checked_at_its_own_tier(tmp_path):
     path = _record(tmp_path, PINNED)
     plan = plan_golden("parity", CONFIG, PINNED, "auto", tmp_path, CROSS_ENV)
     assert (plan.mode, plan.path, plan.tier, plan.cross_env) == ("check", path, {"kind": "exact"}, False)
+    assert not plan.missing
+    assert plan.summary(None)["compared_env_key"] == PINNED
     assert plan.note == f"golden: will compare with parity/{PINNED}.json, bitwise identical"
 
 
@@ -319,15 +321,22 @@ def test_golden_of_another_environment_is_checked_at_the_cross_env_tier(tmp_path
     for requested in ("auto", "check"):
         plan = plan_golden("parity", CONFIG, PINNED, requested, tmp_path, CROSS_ENV)
         assert plan.mode == "check" and plan.cross_env and plan.tier == CROSS_ENV
-        assert plan.note == (
-            f"golden: will compare with parity/{other.name} (cross-environment: no golden for {PINNED}),"
-            " within rtol=0.0001 atol=0"
+        assert plan.missing and plan.note == (
+            f"golden: this environment's golden ({PINNED}) is missing; will compare loosely with {NATIVE}"
+            f" at the cross-environment tier: parity/{other.name}, within rtol=0.0001 atol=0"
         )
     drifted = frame()
     drifted.loc[2, "loss"] *= 1 + 1e-6  # kernel-ISA noise: within the tier
     results = golden_checks(plan, {"eager": drifted, "graph": frame()}, steps=5)
     assert all(r.status == "pass" for r in results)
     assert results[0].detail.startswith(f"cross-environment vs {NATIVE}: 5 steps within rtol=0.0001")
+    assert plan.outcome(results) == (
+        f"golden: this environment's golden ({PINNED}) is missing; compared loosely with {NATIVE}"
+        f" at the cross-environment tier: 4 of 4 checks match parity/{other.name} (within rtol=0.0001 atol=0)"
+    )
+    summary = plan.summary(plan.outcome(results))
+    assert (summary["missing_for_this_environment"], summary["compared_env_key"]) == (True, NATIVE)
+    assert GoldenPlan.from_record(plan.record()).missing  # harness collect says it too
     drifted.loc[3, "loss"] *= 1 + 1e-3  # a real change: caught
     failed = [r for r in golden_checks(plan, {"eager": drifted, "graph": frame()}, steps=5) if r.status == "fail"]
     assert [r.name for r in failed] == ["golden:eager:loss"] and failed[0].first_divergent_step == 3

@@ -1,0 +1,124 @@
+"""Which suite has which environment's golden: ``harness golden status`` and ``harness golden table``.
+
+A run without its own environment's golden compares with another's at the loose cross-environment
+tier (golden.plan_golden), where a bug that moves the numbers by less than that tier passes: real
+router bugs passed so on Intel, whose goldens were missing for suites recorded on AMD only. So the
+gaps are listed, not guessed: ``status`` names the suites this machine has no golden for, and
+``table`` renders the whole inventory as the Markdown table README.md carries between its
+markers, regenerated from ``golden/`` (a test fails when the two disagree).
+
+A suite expects goldens when it is shipped and not a throughput suite (an ABBA gate records no
+steps to compare), or when ``golden/`` has any for it (an example's suite, such as tiny-dp);
+its goldens' dtype is the suite's (SuiteSpec.dtype), else the one its recorded goldens carry.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from harness.environment import CpuPin, backend_for, device_class, env_key, split_env_key
+from harness.golden import GoldenError, comparable_goldens, load_golden_for, loose_lead, shown_path
+from harness.suites import list_suites, load_suite
+
+TABLE_BEGIN, TABLE_END = "<!-- golden-table:begin -->", "<!-- golden-table:end -->"
+
+
+@dataclass(frozen=True)
+class Inventory:
+    """The goldens under one golden root, and the ones each suite is expected to have."""
+
+    root: Path
+    dtypes: dict[str, tuple[str, ...]]  # suite -> the dtypes its goldens are keyed by, sorted
+    recorded: dict[str, frozenset[str]]  # suite -> the env keys it has a golden for
+    environments: tuple[str, ...]  # every env key's environment (EnvKey.environment) under the root, sorted
+
+
+def golden_inventory(golden_dir: Path, suites_dir: Path) -> Inventory:
+    """Reads every golden under ``golden_dir`` (each validated: a bad one is a GoldenError naming its
+    file and field) and every suite in ``suites_dir``."""
+    if not golden_dir.is_dir():
+        raise GoldenError(golden_dir, None, "no such golden directory")
+    recorded: dict[str, set[str]] = {}
+    for path in sorted(golden_dir.glob("*/*.json")):
+        golden = load_golden_for(path, path.parent.name)
+        try:
+            split_env_key(golden.env_key)
+        except ValueError as e:
+            raise GoldenError(path, "env_key", str(e)) from None
+        recorded.setdefault(golden.suite, set()).add(golden.env_key)
+    dtypes = {suite: {split_env_key(key).dtype for key in keys} for suite, keys in recorded.items()}
+    for name, _ in list_suites(suites_dir):
+        suite = load_suite(name, suites_dir=suites_dir)
+        if suite.throughput is None:
+            dtypes.setdefault(name, set()).add(suite.dtype)
+    environments = {split_env_key(key).environment for keys in recorded.values() for key in keys}
+    return Inventory(
+        golden_dir,
+        {suite: tuple(sorted(found)) for suite, found in sorted(dtypes.items())},
+        {suite: frozenset(recorded.get(suite, ())) for suite in sorted(dtypes)},
+        tuple(sorted(environments)),
+    )
+
+
+def status_lines(inventory: Inventory, pin: CpuPin) -> list[str]:
+    """``harness golden status``: one line per suite and dtype, for this machine's CPU env key under
+    ``pin``: "ok" and the golden, or "missing" and what a run compares with instead."""
+    device = device_class("cpu", pin)
+    width = max((len(suite) for suite in inventory.dtypes), default=0)
+    lines = []
+    for suite, dtypes in inventory.dtypes.items():
+        for dtype in dtypes:
+            key = env_key(device, backend_for("cpu"), dtype, torch.__version__)
+            path = inventory.root / suite / f"{key}.json"
+            if key in inventory.recorded[suite]:
+                lines.append(f"ok       {suite:<{width}}  {shown_path(path, inventory.root)}")
+                continue
+            other = next(iter(comparable_goldens(inventory.root / suite, key)), None)
+            none = f"this environment's golden ({key}) is missing, and none is comparable: a run compares with none"
+            instead = loose_lead(key, other.stem, "a run compares") if other else none
+            lines.append(f"missing  {suite:<{width}}  {instead}")
+    return lines
+
+
+def golden_table(inventory: Inventory) -> str:
+    """The Markdown table of which suite has a golden for which environment: a row per suite, a
+    column per environment under the golden root; a cell names the dtype recorded, or "**missing**"
+    and the dtype the suite's goldens are keyed by."""
+
+    def cell(suite: str, environment: str) -> str:
+        present = {split_env_key(key).dtype for key in inventory.recorded[suite]
+                   if split_env_key(key).environment == environment}  # fmt: skip
+        return ", ".join(dtype if dtype in present else f"**missing** {dtype}" for dtype in inventory.dtypes[suite])
+
+    rows = [
+        "| suite | " + " | ".join(f"`{environment}`" for environment in inventory.environments) + " |",
+        "| --- |" + " --- |" * len(inventory.environments),
+    ]
+    for suite in inventory.dtypes:
+        rows.append(f"| `{suite}` | " + " | ".join(cell(suite, env) for env in inventory.environments) + " |")
+    return "\n".join(rows) + "\n"
+
+
+def readme_table(text: str, source: str) -> tuple[int, int]:
+    """Where the generated table sits in ``text`` (README.md, named ``source`` in errors): the
+    offsets just after the begin marker's line and at the end marker, each marker present once."""
+    for marker in (TABLE_BEGIN, TABLE_END):
+        if text.count(marker) != 1:
+            raise GoldenError(source, marker, f"expected once, found {text.count(marker)} times")
+    start, end = text.index(TABLE_BEGIN) + len(TABLE_BEGIN) + 1, text.index(TABLE_END)
+    if start > end:
+        raise GoldenError(source, TABLE_END, f"comes before {TABLE_BEGIN}")
+    return start, end
+
+
+def write_readme_table(readme: Path, table: str) -> bool:
+    """Puts ``table`` between README.md's markers; True when that changed the file."""
+    text = readme.read_text(encoding="utf-8")
+    start, end = readme_table(text, str(readme))
+    new = text[:start] + table + text[end:]
+    if new != text:
+        readme.write_text(new, encoding="utf-8")
+    return new != text
