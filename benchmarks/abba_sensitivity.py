@@ -12,7 +12,7 @@ interval over the blocks so far) is looked at after every block of the same runs
 
     python benchmarks/abba_sensitivity.py [--aa-runs 100] [--aa-max-blocks 12] [--runs 10] [--max-blocks 60]
 
-Acceptance (README "Throughput"): over the A/A runs the interval covers 1 in >= 93% and the gate
+Acceptance (docs/throughput.md): over the A/A runs the interval covers 1 in >= 93% and the gate
 fails <= 1%; 0% passes; 10% fails, 20% fails in fewer blocks; 5% (the threshold itself) is failed
 or inconclusive in >= 80% of runs.
 """

@@ -20,7 +20,7 @@ mean m and sum of squared deviations SS, a centre c is outside when
 
 a martingale with L = 1 at t = 1, so Ville's inequality bounds the chance that it ever crosses.
 The set is an interval around m with a closed-form half-width (:func:`confidence_sequence`).
-Measured on this project's block series (benchmarks/abba_sensitivity.py, README "Throughput"),
+Measured on this project's block series (benchmarks/abba_sensitivity.py, docs/throughput.md),
 per-block log ratios are close to normal (excess kurtosis near 0, lag-1 autocorrelation near 0.1);
 heavy tails and outliers only widen it (tests/test_abba.py measures its coverage under each).
 """

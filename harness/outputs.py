@@ -100,7 +100,7 @@ def write_outputs(
 
 
 def build_summary(run: PreparedRun, launched: Launched, records: RunRecords, judged: Judgement) -> Summary:
-    """The summary of a judged run (ARCHITECTURE §4), its timing still to come."""
+    """The summary of a judged run (docs/architecture.md, "The summary"), its timing still to come."""
     suite, throughput = run.suite, run.suite.throughput
     checks = [c.to_dict() for c in judged.checks]
     arms = {

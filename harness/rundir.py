@@ -2,7 +2,7 @@
 
 The ranks write, the harness judges from what they wrote, and reports, ``harness collect`` and
 dashboards read it back later: all of them must agree on where each record lives, so the names are
-here and nowhere else (the README's "Run directory" lists what each file holds)::
+here and nowhere else (docs/run-directory.md lists what each file holds)::
 
     manifest.json  summary.json  report.html  junit.xml  throughput.jsonl
     arms/<arm>/    metrics.jsonl digests.jsonl arm.json graph.json fidelity.jsonl

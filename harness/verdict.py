@@ -23,7 +23,8 @@ its own family cannot know.
   makes the run's verdict ``bad-input``, exit 2, whatever else its checks say: what ran after it
   never ran, and fixing the input comes before judging anything.
 
-Exit codes (ARCHITECTURE §8): 0 pass, 1 a check failed, 2 bad input, 3 an error, 4 inconclusive.
+Exit codes (docs/architecture.md, "Verdict and exit codes"; docs/exit-codes.md): 0 pass, 1 a check failed,
+2 bad input, 3 an error, 4 inconclusive.
 """
 
 from __future__ import annotations

@@ -51,7 +51,7 @@ import torch
 import torch.distributed as dist
 
 # Before any process group exists, for every subject: imported later (torch.use_deterministic_algorithms
-# does, through torch._inductor.config), it would pin the default group (README, Known issues).
+# does, through torch._inductor.config), it would pin the default group (docs/known-issues.md).
 import torch.distributed.nn.functional  # noqa: F401
 from torch.distributed.elastic.multiprocessing.errors import ErrorHandler, record
 

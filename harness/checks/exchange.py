@@ -1,4 +1,5 @@
-"""Token-exchange invariants, checked on the launch/wait events each rank records (ARCHITECTURE §5).
+"""Token-exchange invariants, checked on the launch/wait events each rank records (docs/architecture.md,
+"Token-exchange invariants").
 
 Each check targets a bug that chunked asynchronous expert parallelism invites: a wait with no
 launch or a launch never waited (a hang, or a read of a buffer nobody filled), a buffer set reused

@@ -117,7 +117,9 @@ class Recorder(Protocol):
         in registration order."""
 
     def exchange_event(self, logical_rank: int, event: Mapping[str, Any]) -> None:
-        """TOKEN_EXCHANGE: one launch or wait (docs/schema/event.schema.json)."""
+        """TOKEN_EXCHANGE: one launch or wait. docs/schema/ has no schema of an event: its fields (step, phase,
+        layer, chunk, kind, op, name, buffer_set, seq, rows; a launch's send_counts and recv_counts) are those
+        harness/checks/exchange.py reads, listed in docs/run-directory.md (events.rank<k>.jsonl)."""
 
     def pec_event(self, logical_rank: int, event: Mapping[str, Any]) -> None:
         """PEC: one lookup, gradient all-to-all start or apply of a PEC table."""
