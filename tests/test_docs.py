@@ -108,12 +108,6 @@ def test_the_readme_is_a_front_page_that_starts_with_the_two_commands() -> None:
     assert lines[start + 1 : end][:2] == FIRST_COMMANDS
 
 
-def test_the_readme_keeps_the_markers_other_tools_fill_empty() -> None:
-    text = README.read_text()
-    for marker in ("golden-table", "unpickle-list"):
-        assert f"<!-- {marker}:begin -->\n<!-- {marker}:end -->" in text
-
-
 def test_every_readme_link_into_docs_names_a_page_and_anchor_that_exist() -> None:
     links = re.findall(r"\]\((docs/[^)#\s]+)(?:#([^)\s]+))?\)", README.read_text())
     assert links
