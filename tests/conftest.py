@@ -61,6 +61,18 @@ def _command(args: tuple) -> list[str]:
     return [sys.executable, "-m", "harness", *map(str, args)]
 
 
+# A test that asks for one of these runs the harness's CLI in a subprocess, rank processes and all.
+E2E_FIXTURES = frozenset({"run_harness", "start_harness"})
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Marks every end-to-end test ``e2e`` by the fixtures it asks for, so that nobody has to remember
+    to: ``pytest -m "not e2e"`` is then the fast tier, the unit and in-process tests alone."""
+    for item in items:
+        if E2E_FIXTURES & set(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.e2e)
+
+
 @pytest.fixture(autouse=True)
 def no_shipped_goldens(tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch) -> None:
     """CLI runs see an empty golden root unless a test passes --golden-dir: no test may depend on
