@@ -116,15 +116,18 @@ PARAMS = ("model.layers.1.mlp.gate.weight", "model.layers.1.mlp.experts.down_pro
 
 def line(step: int, ours: float, theirs: float = 1e-5, scale: float = 1e-3) -> dict:
     """A bf16-mixed fidelity record: every gradient's RMSE against float64 ``ours`` and
-    Hugging Face's ``theirs``; the loss and grad norm as far from float64 as Hugging Face's."""
+    Hugging Face's ``theirs`` (so the two gradients differ by at least the difference of those);
+    the loss and grad norm as far from float64 as Hugging Face's."""
     errors = {"grad_fp64_rmse": ours, "grad_oracle_fp64_rmse": theirs, "grad_fp64_rms": scale}
-    zeros = dict.fromkeys(("grad_abs_diff", "weight_abs_diff", "adam_m_abs_diff", "adam_v_abs_diff"), 0.0)
+    diffs = {"grad_abs_diff": abs(ours - theirs)} | dict.fromkeys(
+        ("weight_abs_diff", "adam_m_abs_diff", "adam_v_abs_diff"), 0.0
+    )
     maxima = dict.fromkeys(("grad_oracle_max", "weight_oracle_max", "adam_m_oracle_max", "adam_v_oracle_max"), 1.0)
     return {
         "step": step,
         **{"loss": 5.001, "oracle_loss": 5.001, "fp64_loss": 5.0},
         **{"grad_norm": 1.0, "oracle_grad_norm": 1.0, "fp64_grad_norm": 1.0},
-        "params": {name: {**errors, **zeros, **maxima} for name in PARAMS},
+        "params": {name: {**errors, **diffs, **maxima} for name in PARAMS},
     }
 
 
@@ -140,6 +143,14 @@ def test_a_flip_at_one_step_passes_where_a_per_step_rule_would_fail() -> None:
     result = judge_fp64("a", lines, 5, FP64_TIERS)
     assert result.status == "pass", result.detail
     assert "2 excesses at single steps" in result.detail
+
+
+def test_an_oracle_whose_side_is_bitwise_the_references_fails_as_comparing_nothing() -> None:
+    result = judge_fp64("a", [line(step, ours=1e-5, theirs=1e-5) for step in range(1, 6)], 5, FP64_TIERS)
+    assert result.status == "fail"
+    assert result.detail == (
+        "the oracle compared nothing: its side is bitwise the reference's on every tensor of every step (50 compared)"
+    )
 
 
 def test_an_error_at_most_steps_fails_naming_the_tensors_and_steps() -> None:
