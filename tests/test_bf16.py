@@ -223,6 +223,21 @@ def test_a_sum_not_shown_to_be_fp32_fails_naming_the_step_and_rank(ranks: dict, 
     assert (result.status, result.detail) == ("fail", detail)
 
 
+def test_recording_the_gradient_sum_changes_no_bit_of_training() -> None:
+    """Goldens were recorded without the re-sum: gathering and hashing must leave training as it was."""
+    config = TrainConfig(ep=2, precision="bf16-mixed")
+    recorded: list[tuple[int, int, bool]] = []
+    runs = {}
+    for sink in (None, lambda rank, step, summed, resum: recorded.append((rank, step, torch.equal(summed, resum)))):
+        trainer = Trainer(config, sum_sink=sink)
+        try:
+            runs[sink is None] = [trainer.step(step) for step in (1, 2)]
+        finally:
+            trainer.close()
+    assert [(r["loss"], r["grad_norm"]) for r in runs[True]] == [(r["loss"], r["grad_norm"]) for r in runs[False]]
+    assert sorted(recorded) == [(0, 1, True), (0, 2, True), (1, 1, True), (1, 2, True)]
+
+
 SUM_SUITE = """
 name = "sum"
 description = "a bf16-mixed arm's gradient sum"
