@@ -118,24 +118,32 @@ def read_metrics_records(records: list[dict], path: Path | str) -> pd.DataFrame:
 class RankLine:
     """One logical rank's own view of one update, a line of ``ranks.rank<k>.jsonl``: the step's
     global loss and grad norm as that rank has them, and, every few steps and at the last, a hash of
-    its replicated parameters (harness.digests)."""
+    its replicated parameters (harness.digests). An arm that records its gradient sum (a bf16-mixed
+    one) adds, every step, a hash of its replicated gradients as summed and of their fp32 re-sum."""
 
     step: int
     loss: float
     grad_norm: float
     replicated_hash: str | None = None
+    grad_sum_hash: str | None = None
+    grad_fp32_resum_hash: str | None = None
 
     def to_json(self) -> dict[str, Any]:
         line: dict[str, Any] = {"step": self.step, "loss": self.loss, "grad_norm": self.grad_norm}
-        return line if self.replicated_hash is None else {**line, "replicated_hash": self.replicated_hash}
+        return line | {key: getattr(self, key) for key in HASHES if getattr(self, key) is not None}
 
     @classmethod
     def from_json(cls, raw: dict, path: Path, number: int) -> RankLine:
         _require(raw, {"step": int, "loss": (int, float), "grad_norm": (int, float)}, path, number)
-        hashed = raw.get("replicated_hash")
-        if hashed is not None and not isinstance(hashed, str):
-            raise RecordError(path, None, f"record {number}: replicated_hash is {hashed!r}, not a string")
-        return cls(raw["step"], float(raw["loss"]), float(raw["grad_norm"]), hashed)
+        for key in HASHES:
+            hashed = raw.get(key)
+            if hashed is not None and not isinstance(hashed, str):
+                raise RecordError(path, None, f"record {number}: {key} is {hashed!r}, not a string")
+        return cls(raw["step"], float(raw["loss"]), float(raw["grad_norm"]), *(raw.get(key) for key in HASHES))
+
+
+# RankLine's optional hashes, in field order.
+HASHES = ("replicated_hash", "grad_sum_hash", "grad_fp32_resum_hash")
 
 
 @dataclass(frozen=True)

@@ -252,15 +252,19 @@ class FileRecorder:
     def __init__(self, files: ArmFiles, writers: _ArmWriters, steps: int) -> None:
         self._files, self._writers, self._steps = files, writers, steps
         self._grad_digests: dict[int, dict[str, list]] = {}  # logical rank 0's, until its update
+        self._grad_sums: dict[tuple[int, int], tuple[str, str]] = {}  # (logical rank, step) -> hashes, until then
 
     def gradients(self, logical_rank: int, step: int, grads: Mapping[str, torch.Tensor]) -> None:
         if logical_rank == 0:
             self._grad_digests[step] = digest_all(dict(grads))
 
+    def gradient_sum(self, logical_rank: int, step: int, summed: torch.Tensor, fp32_resum: torch.Tensor) -> None:
+        self._grad_sums[logical_rank, step] = (parameters_hash([summed]), parameters_hash([fp32_resum]))
+
     def rank_update(self, logical_rank: int, step: int, update: RankUpdate) -> None:
         hashed = step % HASH_EVERY == 0 or step == self._steps
         replicated = parameters_hash(update.replicated.values()) if hashed else None
-        line = RankLine(step, update.loss, update.grad_norm, replicated)
+        line = RankLine(step, update.loss, update.grad_norm, replicated, *self._grad_sums.pop((logical_rank, step), ()))
         self._writers.write(self._files.ranks(logical_rank), line.to_json())
         if logical_rank == 0:
             params = digest_all({**update.replicated, **update.sharded})

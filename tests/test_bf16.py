@@ -13,6 +13,8 @@ import pytest
 import torch
 
 from harness.checks.fidelity import FP64_TIERS, fp64_ratios, judge_fp64
+from harness.checks.grad_sum import judge as judge_sum
+from harness.records import RankLine
 from harness.reference.model import TopkRouter, get_config
 from harness.reference.pec import PECConfig
 from harness.reference.pipeline import PipelineConfig
@@ -87,6 +89,8 @@ def test_parity_bf16_is_bit_for_bit_and_is_really_bf16(run_harness, tmp_path: Pa
     for name in ("eager vs graph: loss", "eager-traced vs graph: grad_norm", "logical-ranks: loss"):
         assert checks[name]["status"] == "pass" and "bitwise" in checks[name]["detail"], checks[name]
     assert checks["eager vs eager-again: loss"]["status"] == checks["eager vs eager-again: events"]["status"] == "pass"
+    for arm in ("eager", "eager-traced", "graph", "eager-again", "inproc"):
+        assert checks[f"{arm}: fp32-gradient-sum"]["status"] == "pass", checks[f"{arm}: fp32-gradient-sum"]
     golden = [c for name, c in checks.items() if name.startswith("golden:")]
     assert golden and all(c["status"] == "pass" for c in golden)
     fp32 = json.loads(next((REPO / "golden" / "parity").glob("*float32*.json")).read_text())
@@ -116,15 +120,18 @@ PARAMS = ("model.layers.1.mlp.gate.weight", "model.layers.1.mlp.experts.down_pro
 
 def line(step: int, ours: float, theirs: float = 1e-5, scale: float = 1e-3) -> dict:
     """A bf16-mixed fidelity record: every gradient's RMSE against float64 ``ours`` and
-    Hugging Face's ``theirs``; the loss and grad norm as far from float64 as Hugging Face's."""
+    Hugging Face's ``theirs`` (so the two gradients differ by at least the difference of those);
+    the loss and grad norm as far from float64 as Hugging Face's."""
     errors = {"grad_fp64_rmse": ours, "grad_oracle_fp64_rmse": theirs, "grad_fp64_rms": scale}
-    zeros = dict.fromkeys(("grad_abs_diff", "weight_abs_diff", "adam_m_abs_diff", "adam_v_abs_diff"), 0.0)
+    diffs = {"grad_abs_diff": abs(ours - theirs)} | dict.fromkeys(
+        ("weight_abs_diff", "adam_m_abs_diff", "adam_v_abs_diff"), 0.0
+    )
     maxima = dict.fromkeys(("grad_oracle_max", "weight_oracle_max", "adam_m_oracle_max", "adam_v_oracle_max"), 1.0)
     return {
         "step": step,
         **{"loss": 5.001, "oracle_loss": 5.001, "fp64_loss": 5.0},
         **{"grad_norm": 1.0, "oracle_grad_norm": 1.0, "fp64_grad_norm": 1.0},
-        "params": {name: {**errors, **zeros, **maxima} for name in PARAMS},
+        "params": {name: {**errors, **diffs, **maxima} for name in PARAMS},
     }
 
 
@@ -140,6 +147,14 @@ def test_a_flip_at_one_step_passes_where_a_per_step_rule_would_fail() -> None:
     result = judge_fp64("a", lines, 5, FP64_TIERS)
     assert result.status == "pass", result.detail
     assert "2 excesses at single steps" in result.detail
+
+
+def test_an_oracle_whose_side_is_bitwise_the_references_fails_as_comparing_nothing() -> None:
+    result = judge_fp64("a", [line(step, ours=1e-5, theirs=1e-5) for step in range(1, 6)], 5, FP64_TIERS)
+    assert result.status == "fail"
+    assert result.detail == (
+        "the oracle compared nothing: its side is bitwise the reference's on every tensor of every step (50 compared)"
+    )
 
 
 def test_an_error_at_most_steps_fails_naming_the_tensors_and_steps() -> None:
@@ -176,3 +191,95 @@ def test_tiers_out_of_range_are_refused_naming_the_field(run_harness, tmp_path: 
 def test_a_nan_error_counts_as_over_its_bound() -> None:
     result = judge_fp64("a", [line(step, ours=math.nan if step > 2 else 2e-5) for step in range(1, 6)], 5, FP64_TIERS)
     assert result.status == "fail" and "over it at steps 3, 4, 5" in result.detail
+
+
+def rank_lines(steps: int, summed: dict[int, str] | None = None) -> list[RankLine]:
+    """A logical rank's lines whose fp32 re-sum hashes "aa..."; the sum's hash too, unless ``summed`` says."""
+    return [
+        RankLine(step, 5.0, 1.0, None, (summed or {}).get(step, "aa" * 16), "aa" * 16) for step in range(1, steps + 1)
+    ]
+
+
+def test_a_sum_bitwise_its_fp32_re_sum_on_every_rank_and_step_passes() -> None:
+    result = judge_sum("a: fp32-gradient-sum", {0: rank_lines(3), 1: rank_lines(3)})
+    assert result.status == "pass", result.detail
+    assert result.detail.startswith("3 steps on 2 logical ranks: the replicated gradients as summed are bitwise")
+
+
+@pytest.mark.parametrize(
+    ("ranks", "detail"),
+    [
+        ({0: rank_lines(3), 1: rank_lines(3, {2: "bb" * 16})},
+         "step 2: logical rank 1's replicated gradients as summed are not bitwise the fp32 sum of the logical"
+         " ranks' own: summed in another precision or order"),
+        ({0: rank_lines(2) + [RankLine(3, 5.0, 1.0)], 1: rank_lines(3)},
+         "step 3: logical rank 0 recorded no gradient sum and fp32 re-sum"),
+        ({0: [], 1: []}, "no per-rank records (ranks.rank<k>.jsonl): nothing compared"),
+    ],
+    ids=["differing", "unrecorded", "empty"],
+)  # fmt: skip
+def test_a_sum_not_shown_to_be_fp32_fails_naming_the_step_and_rank(ranks: dict, detail: str) -> None:
+    result = judge_sum("a: fp32-gradient-sum", ranks)
+    assert (result.status, result.detail) == ("fail", detail)
+
+
+def test_recording_the_gradient_sum_changes_no_bit_of_training() -> None:
+    """Goldens were recorded without the re-sum: gathering and hashing must leave training as it was."""
+    config = TrainConfig(ep=2, precision="bf16-mixed")
+    recorded: list[tuple[int, int, bool]] = []
+    runs = {}
+    for sink in (None, lambda rank, step, summed, resum: recorded.append((rank, step, torch.equal(summed, resum)))):
+        trainer = Trainer(config, sum_sink=sink)
+        try:
+            runs[sink is None] = [trainer.step(step) for step in (1, 2)]
+        finally:
+            trainer.close()
+    assert [(r["loss"], r["grad_norm"]) for r in runs[True]] == [(r["loss"], r["grad_norm"]) for r in runs[False]]
+    assert sorted(recorded) == [(0, 1, True), (0, 2, True), (1, 1, True), (1, 2, True)]
+
+
+SUM_SUITE = """
+name = "sum"
+description = "a bf16-mixed arm's gradient sum"
+ranks = 2
+steps = 2
+[train]
+precision = "bf16-mixed"
+[arms.mixed]
+[[checks]]
+kind = "fp32-gradient-sum"
+[[checks]]
+kind = "ranks-agree"
+"""
+
+# The bug the check exists for: the replicated gradients summed over logical ranks in bf16 (and
+# cast back to fp32), the same way on every rank and in every arm.
+SUM_IN_BF16 = """
+import harness.reference.train as train
+
+
+def sum_in_bf16(self, rank, replica):
+    total = self.group.sum(rank, self._dense_grads(replica).bfloat16()).float()
+    for p, g in zip(replica.dense_params, total.split([p.numel() for p in replica.dense_params])):
+        p.grad.copy_(g.view_as(p))
+
+
+train.Trainer._sum_dense_grads = sum_in_bf16
+"""
+
+
+def test_gradients_summed_in_bf16_fail_the_fp32_sum_check_and_pass_every_rank_check(
+    run_harness, plant, tmp_path: Path
+) -> None:
+    path = tmp_path / "sum.toml"
+    path.write_text(SUM_SUITE)
+    run = run_harness("run", path, "--golden", "off", "--out", tmp_path / "ok")
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert run.check(tmp_path / "ok", "mixed: fp32-gradient-sum")["detail"].startswith("2 steps on 2 logical ranks")
+    bad = tmp_path / "bf16-sum"
+    run = run_harness("run", path, "--golden", "off", "--out", bad, env=plant(SUM_IN_BF16))
+    assert run.returncode == 1, run.stdout + run.stderr
+    check = run.check(bad, "mixed: fp32-gradient-sum")
+    assert check["status"] == "fail" and check["first_divergent_step"] == 1, check
+    assert check["detail"].startswith("step 1: logical rank 0's replicated gradients as summed are not bitwise"), check
+    assert run.check(bad, "mixed: ranks-agree")["status"] == "pass"

@@ -70,6 +70,22 @@ def test_a_diverging_gradient_fails_naming_the_first_step_and_the_parameter() ->
     )
 
 
+def test_an_oracle_whose_side_is_bitwise_the_references_fails_as_comparing_nothing() -> None:
+    result = judge("a: fidelity", [line(1), line(2)], 2, TIERS)
+    assert result.status == "fail"
+    assert result.detail == (
+        "the oracle compared nothing: its side is bitwise the reference's on every tensor of every step (20 compared)"
+    )
+    assert result.extra["bitwise"] == {"differing": 0, "compared": 20}
+
+
+def test_one_quantity_apart_in_one_bit_is_an_oracle_and_is_counted() -> None:
+    result = judge("a: fidelity", [line(1), line(2, p1_adam_m=1e-12)], 2, TIERS)
+    assert result.status == "pass", result.detail
+    assert result.extra["bitwise"] == {"differing": 1, "compared": 20}
+    assert "1 of 20 quantities not bitwise the oracle's" in result.detail
+
+
 def test_weights_are_judged_at_their_own_tier() -> None:
     assert judge("a", [line(1, p0_weight=5e-4)], 1, TIERS).status == "pass"
     result = judge("a", [line(1, p0_weight=2e-3)], 1, TIERS)
@@ -173,6 +189,8 @@ def test_the_suite_passes_against_transformers(run_harness, tmp_path: Path) -> N
     checks = _fidelity(run, out)
     assert set(checks) == {"q-lora: fidelity", "no-q-lora: fidelity"}
     assert all(c["status"] == "pass" for c in checks.values()), checks
+    # Two fp32 implementations part in some bits: the oracle compared something.
+    assert all(c["extra"]["bitwise"]["differing"] > 0 for c in checks.values()), checks
     for arm, params in (("q-lora", 45), ("no-q-lora", 39)):
         lines = read_jsonl(out / "arms" / arm / "fidelity.jsonl")
         assert [r["step"] for r in lines] == [1, 2, 3, 4, 5]
@@ -266,6 +284,49 @@ def test_bugs_planted_in_the_reference_fail_naming_the_parameter(
         assert re.match(pattern, check["detail"]), check
         assert re.search(parameter, check["detail"]), check["detail"]
         assert f"FAIL  {name}" in run.stdout
+
+
+# The lockstep's bug this check exists for: the oracle's side taken from the reference's, so every
+# recorded difference is 0 and every tier holds whatever the reference computes.
+ORACLE_MIRRORS_THE_REFERENCE = """
+import harness.oracles.lockstep as lockstep
+
+_differences = lockstep.differences
+_init = lockstep.Lockstep.__init__
+
+
+def differences(ours, theirs, what):
+    return _differences(ours, {name: ours[name] for name in theirs}, what)
+
+
+def mirrored(record):
+    return {**record, "oracle_loss": record["loss"], "oracle_grad_norm": record["grad_norm"]}
+
+
+def init(self, *args, **kwargs):
+    _init(self, *args, **kwargs)
+    if self.fidelity_sink is not None:
+        sink = self.fidelity_sink
+        self.fidelity_sink = lambda record: sink(mirrored(record))
+
+
+lockstep.differences = differences
+lockstep.Lockstep.__init__ = init
+"""
+
+
+@needs_transformers
+def test_an_oracle_whose_values_are_the_references_fails_the_suite(run_harness, plant, tmp_path: Path) -> None:
+    out = tmp_path / "run"
+    planted = plant(ORACLE_MIRRORS_THE_REFERENCE)
+    run = run_harness("run", "fidelity", "--ranks", 2, "--steps", 2, "--out", out, env=planted, timeout=600)
+    assert run.returncode == 1, run.stdout + run.stderr
+    checks = _fidelity(run, out)
+    assert set(checks) == {"q-lora: fidelity", "no-q-lora: fidelity"}
+    for check in checks.values():
+        assert check["status"] == "fail", check
+        assert check["detail"].startswith("the oracle compared nothing: its side is bitwise the reference's"), check
+        assert check["extra"]["bitwise"]["differing"] == 0
 
 
 def test_without_transformers_the_suite_is_refused_with_the_install_hint(run_harness, tmp_path: Path) -> None:

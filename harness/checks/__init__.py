@@ -10,6 +10,7 @@
   or an eager arm's events;
 * :mod:`~harness.checks.fidelity`: an oracle arm's lockstep records against Hugging Face;
 * :mod:`~harness.checks.ranks`: every logical rank of an arm agrees on the step and its replicas;
+* :mod:`~harness.checks.grad_sum`: a bf16-mixed arm's replicated gradients were summed in fp32;
 * :mod:`~harness.checks.resume`: a run stopped and resumed by a fresh launch against one that never stopped;
 * :mod:`~harness.checks.routing`: send counts of every exchange match the receive counts;
 * :mod:`~harness.checks.weights`: two arms' final weights, bit for bit;
@@ -24,6 +25,7 @@ from harness.checks import (  # noqa: F401  (they register)
     exchange,
     fidelity,
     golden,
+    grad_sum,
     graph,
     overlap,
     pairs,

@@ -20,6 +20,13 @@ A failure names the first step that differs and what differs there, largest erro
 ``step 1: model.layers.1.mlp.experts.down_proj grad rel err 3.0e-02 > 1e-05``. No records, a step
 not recorded, or a line without a parameter the first step had fails: nothing passes unchecked.
 
+Nor does an oracle that is not one. Two independent fp32 implementations sum in different orders,
+so some of their tensors differ in some bits at some step; a lockstep that took the oracle's side
+from the reference would pass any bug that kept within the tiers. Each check therefore counts the
+quantities (loss, grad norm, and per parameter its gradient, updated weight and AdamW moments, over
+every step) whose recorded difference is not exactly 0, reports the count (``extra``), and fails
+when it is 0: the oracle compared nothing.
+
 ``fidelity-fp64`` judges an arm in ``precision = "bf16-mixed"``, where neither side owes the other
 its bits, as torch's accuracy checker does (``torch._dynamo.utils.same`` with an fp64 reference):
 each side's error against the float64 run of the same step, recorded beside it (RMSE per gradient;
@@ -63,6 +70,7 @@ SHOWN = 3  # differences named in a failure's detail
 # The oracles whose whole model trains in lockstep; torchrec's PEC table has its own check (pec-oracle).
 LOCKSTEP_ORACLES = ("hf", "torchtitan")
 NO_RECORDS = "no fidelity records (fidelity.jsonl missing or empty): nothing compared"
+MIRRORED = "the oracle compared nothing: its side is bitwise the reference's on every tensor of every step"
 
 
 def parse(kind: str, raw: dict, dotted: str, v: SuiteReader, arms: dict[str, ArmSpec]) -> CheckSpec:
@@ -120,6 +128,28 @@ def step_errors(line: dict, params: list[str]) -> dict[str, tuple[float, str]]:
     return errors
 
 
+def bitwise_differing(lines: list[dict], params: list[str]) -> dict[str, int]:
+    """How many recorded quantities of the run differ from the oracle's at all, of how many: the
+    loss, the grad norm and every ``*_abs_diff`` of ``params`` at every step. A difference is
+    recorded in float64 of fp32 (or narrower) values, so it is 0 exactly when the bits agree."""
+    diffs = [line[key] - line[f"oracle_{key}"] for line in lines for key in SCALARS]
+    diffs += [
+        value
+        for line in lines
+        for name in params
+        for field, value in line["params"][name].items()
+        if field.endswith("_abs_diff")
+    ]
+    return {"differing": sum(d != 0 for d in diffs), "compared": len(diffs)}
+
+
+def _mirrored(name: str, kind: str, counts: dict[str, int]) -> CheckResult | None:
+    """The failure of a run whose oracle's side equals the reference's everywhere, or None."""
+    if counts["differing"]:
+        return None
+    return CheckResult(name, kind, "fail", f"{MIRRORED} ({counts['compared']} compared)", extra={"bitwise": counts})
+
+
 def malformed(line: dict, params: list[str]) -> str | None:
     """What a recorded line lacks, or None; the parameters are those of the first line."""
     for key in (*SCALARS, *(f"oracle_{k}" for k in SCALARS)):
@@ -164,13 +194,22 @@ def judge(name: str, lines: list[dict], steps: int, tiers: dict[str, float]) -> 
                 worst[tier] = (err, label)
     if missing := _missing_steps(lines, steps):
         return CheckResult(name, KIND, "fail", missing)
+    counts = bitwise_differing(lines, params)
+    if mirrored := _mirrored(name, KIND, counts):
+        return mirrored
     largest = "; ".join(f"{label} {err:.1e}" for err, label in worst.values())
     detail = (
         f"{steps} steps: loss, grad norm, the gradients and AdamW moments of {len(params)} parameters within"
         f" {tiers['max_rel_err']:g}, updated weights within {tiers['weight_max_rel_err']:g} of {oracle_of(lines)}"
-        f" (largest rel err: {largest})"
+        f" (largest rel err: {largest}; {_differing(counts)})"
     )
-    return CheckResult(name, KIND, "pass", detail, max_rel_diff=max(err for err, _ in worst.values()))
+    return CheckResult(
+        name, KIND, "pass", detail, max_rel_diff=max(err for err, _ in worst.values()), extra={"bitwise": counts}
+    )
+
+
+def _differing(counts: dict[str, int]) -> str:
+    return f"{counts['differing']} of {counts['compared']} quantities not bitwise the oracle's"
 
 
 def oracle_of(lines: list[dict]) -> str:
@@ -236,6 +275,9 @@ def judge_fp64(name: str, lines: list[dict], steps: int, tiers: dict[str, float]
             per_quantity.setdefault(label, []).append((ratio, step))
     if missing := _missing_steps(lines, steps):
         return CheckResult(name, FP64_KIND, "fail", missing)
+    counts = bitwise_differing(lines, params)
+    if mirrored := _mirrored(name, FP64_KIND, counts):
+        return mirrored
     # A NaN error counts as over its bound.
     medians = {
         label: statistics.median(math.inf if math.isnan(r) else r for r, _ in rs) for label, rs in per_quantity.items()
@@ -251,15 +293,23 @@ def judge_fp64(name: str, lines: list[dict], steps: int, tiers: dict[str, float]
         more = f" (and {len(over) - SHOWN} more)" if len(over) > SHOWN else ""
         first = min(s for _, label in over for r, s in per_quantity[label] if not r <= 1)
         detail = f"error against float64 above {bound}: {shown}{more}"
-        return CheckResult(name, FP64_KIND, "fail", detail, first_divergent_step=first, max_rel_diff=over[0][0])
+        return CheckResult(
+            name,
+            FP64_KIND,
+            "fail",
+            detail,
+            first_divergent_step=first,
+            max_rel_diff=over[0][0],
+            extra={"bitwise": counts},
+        )
     worst, label = max((m, label) for label, m in medians.items())
     flips = sum(not r <= 1 for rs in per_quantity.values() for r, _ in rs)
     detail = (
         f"{steps} steps: loss, grad norm and the gradients of {len(params)} parameters: error against float64"
         f" within {bound}, by the median over the steps (closest: {label}, {worst:.2f} of its bound;"
-        f" {flips} excesses at single steps, as routing flips give)"
+        f" {flips} excesses at single steps, as routing flips give; {_differing(counts)})"
     )
-    return CheckResult(name, FP64_KIND, "pass", detail, max_rel_diff=worst)
+    return CheckResult(name, FP64_KIND, "pass", detail, max_rel_diff=worst, extra={"bitwise": counts})
 
 
 def _failure(name: str, step: int, over: list[tuple[float, str, float]], line: dict) -> CheckResult:

@@ -39,7 +39,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from harness.reference.ep.group import LogicalGroup
-from harness.reference.train import DTYPES, GradSink, TrainConfig, Trainer, UpdateSink, synthetic_batch
+from harness.reference.train import DTYPES, GradSink, SumSink, TrainConfig, Trainer, UpdateSink, synthetic_batch
 
 Tensors = dict[str, torch.Tensor]
 
@@ -145,11 +145,14 @@ class Lockstep:
         fidelity_sink: Callable[[dict], None] | None,
         grad_sink: GradSink | None = None,
         update_sink: UpdateSink | None = None,
+        sum_sink: SumSink | None = None,
     ) -> None:
         self.config = config
         self.fidelity_sink = fidelity_sink
         self.grad_sink = grad_sink
-        self.trainer = Trainer(config, event_sink=event_sink, grad_sink=self._keep_grads, update_sink=update_sink)
+        self.trainer = Trainer(
+            config, event_sink=event_sink, grad_sink=self._keep_grads, update_sink=update_sink, sum_sink=sum_sink
+        )
         self.moe_layers = self.trainer.moe_layers
         self.graph_export = self.trainer.graph_export
         self.graph_build = self.trainer.graph_build

@@ -57,6 +57,11 @@ TRACED = ("eager-traced", "graph")
 ATTENTION = "model.layers.*.self_attn"
 # Called with (logical rank, step, {param name: gradient}) once gradients are final, before clipping.
 GradSink = Callable[[int, int, dict], None]
+# Called under bf16-mixed with (logical rank, step, the replicated gradients as summed over logical
+# ranks, every logical rank's own gradients summed again in fp32), both flat in parameter order:
+# what lets a caller check that the sum was taken in fp32, as the design says, which nothing else shows
+# (every arm sums alike, and bf16's rounding hides within any tolerance against an oracle).
+SumSink = Callable[[int, int, torch.Tensor, torch.Tensor], None]
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 # "pure": every tensor in ``dtype``, optimizer state included. "bf16-mixed", as GPUs train: fp32
 # master weights, optimizer state, gradients (and their reduction), loss and grad norm; the forward
@@ -285,12 +290,14 @@ class Trainer:
         grad_sink: GradSink | None = None,
         update_sink: UpdateSink | None = None,
         trace_cache: GraphCache | None = None,
+        sum_sink: SumSink | None = None,
     ) -> None:
         set_determinism(config.device)
         self.config = config
         self.trace_cache = trace_cache
         self.grad_sink = grad_sink
         self.update_sink = update_sink
+        self.sum_sink = sum_sink
         self.group = LogicalGroup(config.ep)
         self.logical_ranks = self.group.local_ranks
         self.device = self._device()
@@ -430,9 +437,15 @@ class Trainer:
         return self._finish_step(rank, step, loss, grad_norm)
 
     def _reduce_gradients(self, rank: int, step: int) -> None:
-        """Sum the replicated gradients over logical ranks (data parallel) and hand them to the grad sink."""
+        """Sum the replicated gradients over logical ranks (data parallel) and hand them to the grad
+        sink; to the sum sink, the sum beside the ranks' own gradients gathered and summed again in
+        fp32, in logical-rank order, apart from the sum's own code."""
         replica = self.replicas[rank]
+        own = self._dense_grads(replica) if self.sum_sink is not None else None
         self._sum_dense_grads(rank, replica)
+        if self.sum_sink is not None:
+            resum = torch.stack(self.group.all_gather(rank, own.float())).sum(0)
+            self.sum_sink(rank, step, self._dense_grads(replica), resum)
         if self.grad_sink is not None:
             self.grad_sink(rank, step, {n: p.grad for n, p in replica.model.named_parameters() if p.requires_grad})
 
@@ -456,9 +469,13 @@ class Trainer:
             replica = self.replicas[rank]
             self.update_sink(rank, step, RankUpdate(loss, grad_norm, replica.named_dense, replica.named_experts))
 
+    @staticmethod
+    def _dense_grads(replica: _Replica) -> torch.Tensor:
+        """The replicated parameters' gradients as one flat copy, in parameter order."""
+        return torch.cat([p.grad.flatten() for p in replica.dense_params])
+
     def _sum_dense_grads(self, rank: int, replica: _Replica) -> None:
-        flat = torch.cat([p.grad.flatten() for p in replica.dense_params])
-        total = self.group.sum(rank, flat)
+        total = self.group.sum(rank, self._dense_grads(replica))
         for p, g in zip(replica.dense_params, total.split([p.numel() for p in replica.dense_params])):
             p.grad.copy_(g.view_as(p))
 

@@ -46,7 +46,19 @@ GRAPH = "graph"  # Arm.graph_export: a traced step's scheduled exchange ops
 VERSIONED = "versioned-updates"  # StepRecord.extra: a delayed pipeline's ages, revisions, corrections
 PEC = "pec-events"  # Recorder.pec_event: a PEC table's lookups, gradient all-to-all starts and applies
 FIDELITY = "fidelity"  # Recorder.fidelity: an oracle's lockstep comparison, per step
-FAMILIES = (METRICS, RANK_UPDATES, GRADIENT_DIGESTS, FINAL_WEIGHTS, TOKEN_EXCHANGE, GRAPH, VERSIONED, PEC, FIDELITY)
+GRADIENT_SUM = "gradient-sum"  # Recorder.gradient_sum + rank_update: each logical rank's sum and its fp32 re-sum
+FAMILIES = (
+    METRICS,
+    RANK_UPDATES,
+    GRADIENT_DIGESTS,
+    FINAL_WEIGHTS,
+    TOKEN_EXCHANGE,
+    GRAPH,
+    VERSIONED,
+    PEC,
+    FIDELITY,
+    GRADIENT_SUM,
+)
 
 
 class SubjectError(Exception):
@@ -115,6 +127,11 @@ class Recorder(Protocol):
     def gradients(self, logical_rank: int, step: int, grads: Mapping[str, torch.Tensor]) -> None:
         """GRADIENT_DIGESTS: the rank's final gradients of update ``step`` (reduced, before clipping),
         in registration order."""
+
+    def gradient_sum(self, logical_rank: int, step: int, summed: torch.Tensor, fp32_resum: torch.Tensor) -> None:
+        """GRADIENT_SUM: the rank's replicated gradients of update ``step`` as summed over logical ranks,
+        and every logical rank's own gradients summed again in fp32 in logical-rank order; both flat,
+        in the same order. Equal bits show the sum was taken in fp32 (before ``rank_update``)."""
 
     def exchange_event(self, logical_rank: int, event: Mapping[str, Any]) -> None:
         """TOKEN_EXCHANGE: one launch or wait. docs/schema/ has no schema of an event: its fields (step, phase,

@@ -61,6 +61,10 @@ class ReferenceArm:
                     rank, self._update_of(step), _update(update)
                 ),
             }
+            if config.mixed:  # the design's fp32 sum of gradients, checked (fp32-gradient-sum)
+                sinks["sum_sink"] = lambda rank, step, summed, resum: recorder.gradient_sum(
+                    rank, self._update_of(step), summed, resum
+                )
         if context.arm.oracle == "torchrec":
             from harness.oracles.torchrec import TorchrecLockstep
 

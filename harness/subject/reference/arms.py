@@ -125,6 +125,8 @@ def families(config: TrainConfig, oracle: str | None) -> tuple[str, ...]:
         found.append(protocol.VERSIONED)
     if isinstance(config, PECConfig):
         found.append(protocol.PEC)
+    if config.mixed:
+        found.append(protocol.GRADIENT_SUM)
     if oracle == "torchrec":  # the reference's own PEC trainer, with torchrec's table beside it
         found.append(protocol.FIDELITY)
     elif oracle:  # the lockstep wrapper keeps the reference's weights to itself
