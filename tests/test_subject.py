@@ -321,3 +321,75 @@ def test_a_factory_that_hangs_exits_3_at_the_timeout_naming_where_it_hangs(run_h
     stack = Path(line.rsplit("(stack: ", 1)[1].rstrip(")"))
     assert f'File "{module}", line 6, in subject' in stack.read_text()
     assert run.elapsed_s < 60  # 5 s of loading after the harness's own imports, not forever
+
+
+# --- records no run could have made: checked where the rank receives them, the subject's fault ---
+
+_BAD_RECORDS = """
+import dataclasses
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, {examples!r})
+import tiny_dp
+from harness.subject import protocol
+
+BAD = os.environ["BAD_RECORD"]
+
+
+class Arm(tiny_dp.TinyDPArm):
+    def step(self, step):
+        record = super().step(step)
+        if BAD == "foreign-logical-rank":
+            self.recorder.rank_update(5, step, protocol.RankUpdate(1.0, 1.0, {{}}))
+        changes = {{
+            "steps-101-102": {{"step": step + 100}},
+            "repeated-step": {{"step": 1}},
+            "missing-step": {{"step": 2 * step}},
+            "nan-tokens": {{"tokens": float("nan")}},
+            "negative-step-time": {{"step_time_s": -1.0}},
+        }}.get(BAD, {{}})
+        return dataclasses.replace(record, **changes)
+
+    def final_weights(self):
+        weights = super().final_weights()
+        return {{self.rank: {{"w": 1.0}}}} if BAD == "weights-not-tensors" else weights
+
+
+class Subject(tiny_dp.TinyDP):
+    def build(self, context):
+        return Arm(context)
+
+
+def subject():
+    return Subject()
+"""
+
+
+@pytest.mark.parametrize(
+    ("bad", "record"),
+    [
+        ("steps-101-102", "StepRecord step 101: not a step of this run (it asked for steps 1-2)"),
+        ("repeated-step", "StepRecord step 1: expected step 2 next (repeated or out of order)"),
+        ("missing-step", "StepRecord step 2: expected step 1 next (step 1 missing)"),
+        ("nan-tokens", "StepRecord step 1: tokens is nan, expected an int >= 0"),
+        ("negative-step-time", "StepRecord step 1: step_time_s is -1.0, expected a finite number >= 0"),
+        ("foreign-logical-rank", "rank_update of logical rank 5: this process hosts logical ranks {rank}-{rank}"),
+        ("weights-not-tensors", "final_weights of logical rank {rank}: 'w' -> float, expected name -> tensor"),
+    ],
+)
+def test_a_record_no_run_could_have_made_is_the_subjects_fault_naming_arm_rank_and_record(
+    run_harness, tmp_path: Path, bad: str, record: str
+) -> None:
+    (tmp_path / "bad_records.py").write_text(_BAD_RECORDS.format(examples=str(REPO / "examples")))
+    out = tmp_path / "run"
+    run = run_harness("run", _suite(tmp_path, "bad_records:subject"), "--out", out, env={"BAD_RECORD": bad})
+    assert run.returncode == 1, run.stdout + run.stderr
+    [raised] = [c for c in run.summary(out)["checks"] if c["kind"] == "rank-raised"]
+    rank = int(raised["name"].split()[1])  # "rank k raised": the root cause, which the line names
+    expected = f"BadRecord: arm 'a', rank {rank}: {record.format(rank=rank)}"
+    assert raised["status"] == "fail" and raised["detail"].endswith(expected), raised["detail"]
+    assert "the subject's fault" in raised["detail"]
+    assert "step 101/2" not in run.stdout
