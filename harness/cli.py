@@ -21,6 +21,7 @@ import sys
 import tempfile
 import traceback
 from pathlib import Path
+from typing import NoReturn
 
 from harness.cancel import Cancelled
 from harness.ci import run_gate
@@ -30,14 +31,17 @@ from harness.first_op import MODES as FIRST_OP_MODES
 from harness.golden import GOLDEN_MODES, GoldenError
 from harness.golden_status import golden_inventory, golden_table, status_lines, write_readme_table
 from harness.launchers.slurm.profile import load_profile
+from harness.loading import LoadTimeout, load_within
 from harness.outputs import rerender
 from harness.prepare import GOLDEN_DIR, RunOptions, UsageError, trace_cache_dir
 from harness.run import run_suite
 from harness.rundir import RunDirError
 from harness.shipped import inside_package
 from harness.slurm_run import collect_run, submit_suite
+from harness.specs import SuiteSpec
+from harness.subject import SubjectFault
 from harness.suites import SUITES_DIR, SuiteError, list_suites, load_suite
-from harness.verdict import EXIT_INFRA, EXIT_PASS, EXIT_USAGE
+from harness.verdict import EXIT_FAIL, EXIT_INFRA, EXIT_PASS, EXIT_USAGE
 
 
 def _add_run_arguments(
@@ -123,10 +127,17 @@ def _suites_dir(args: argparse.Namespace) -> Path:
     return args.suites_dir
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse's parser, its errors one line like every other error of the harness: its usage block
+    (eight lines and more) would bury the flag and the value that were wrong. Subcommands' parsers are
+    of this class too (argparse makes them of their parent's)."""
+
+    def error(self, message: str) -> NoReturn:
+        raise UsageError(f"{self.prog}: {message}")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="harness", description="Verify distributed LLM training changes with paired runs."
-    )
+    parser = _Parser(prog="harness", description="Verify distributed LLM training changes with paired runs.")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     _add_suites_dir_argument(commands.add_parser("list", help="list the suites"))
     run = commands.add_parser("run", help="run a suite and compare its arms")
@@ -294,7 +305,7 @@ def _toml(flag: str, value: str) -> str:
 
 
 def _run(args: argparse.Namespace, argv: list[str], golden: str) -> int:
-    suite = load_suite(args.suite, _overrides(args), device=args.device, suites_dir=_suites_dir(args))
+    suite = _load(args, args.suite)
     if args.command == "abba" and suite.throughput is None:
         raise UsageError(f"harness abba: suite {suite.name} has no [throughput] table; name the arms with --a and --b")
     options = _run_options(args, argv, golden)
@@ -321,9 +332,22 @@ def _flag_value(text: str) -> int | str:
     return int(text) if text.lstrip("-").isdigit() else text
 
 
-def _run_options(args: argparse.Namespace, argv: list[str], golden: str) -> RunOptions:
+def _load(args: argparse.Namespace, name: str) -> SuiteSpec:
+    """The suite ``name``, loaded under the run's --timeout: loading runs the subject's code (harness/loading.py)."""
+    suites_dir = _suites_dir(args)
+    return load_within(
+        _timeout(args), f"suite {name}", lambda: load_suite(name, _overrides(args), args.device, suites_dir)
+    )
+
+
+def _timeout(args: argparse.Namespace) -> float:
+    """--timeout, which must be a finite number of seconds > 0."""
     if not (args.timeout > 0 and math.isfinite(args.timeout)):  # also rejects nan
         raise UsageError(f"--timeout: expected a finite number of seconds > 0, got {args.timeout:g}")
+    return args.timeout
+
+
+def _run_options(args: argparse.Namespace, argv: list[str], golden: str) -> RunOptions:
     if golden == "update" and inside_package(args.golden_dir):
         raise UsageError(
             f"--golden-dir {args.golden_dir}: the shipped goldens of the installed package are read-only;"
@@ -333,7 +357,7 @@ def _run_options(args: argparse.Namespace, argv: list[str], golden: str) -> RunO
     return RunOptions(
         device=args.device,
         out=args.out,
-        timeout_s=args.timeout,
+        timeout_s=_timeout(args),
         golden=golden,
         golden_dir=args.golden_dir,
         cpu_isa=args.cpu_isa,
@@ -383,12 +407,17 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _main(argv: list[str]) -> int:
-    args = build_parser().parse_args(argv)
     try:
-        return _command(args, argv)
+        return _command(build_parser().parse_args(argv), argv)
     except (SuiteError, UsageError, GoldenError, RunDirError) as e:
         print(f"error: {e}", file=sys.stderr)
         return EXIT_USAGE
+    except SubjectFault as e:  # the subject's own code raised as it was loaded: its bug
+        print(f"error: {e}", file=sys.stderr)
+        return EXIT_FAIL
+    except LoadTimeout as e:
+        print(f"error: {e}", file=sys.stderr)
+        return EXIT_INFRA
     except Cancelled as e:
         print(f"harness: {e}", file=sys.stderr)
         return e.exit_code
@@ -410,17 +439,13 @@ def _command(args: argparse.Namespace, argv: list[str]) -> int:
     if args.command in ("run", "submit"):
         return _run(args, argv, args.golden)
     if args.command == "collect":
-        if not (args.timeout > 0 and math.isfinite(args.timeout)):
-            raise UsageError(f"--timeout: expected a finite number of seconds > 0, got {args.timeout:g}")
-        return collect_run(args.run_dir, RunOptions(timeout_s=args.timeout, verbose=args.verbose))
+        return collect_run(args.run_dir, RunOptions(timeout_s=_timeout(args), verbose=args.verbose))
     if args.command == "golden":
         return _golden(args, argv)
     if args.command == "abba":
         return _run(args, argv, "off")
     if args.command == "ci":
-        suites = [
-            load_suite(name, _overrides(args), device=args.device, suites_dir=_suites_dir(args)) for name in args.suite
-        ]
+        suites = [_load(args, name) for name in args.suite]
         return run_gate(suites, _run_options(args, argv, args.golden), args.retries)
     if args.command == "report":
         return rerender(args.run_dir)

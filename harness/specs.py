@@ -129,11 +129,6 @@ class SuiteSpec:
         """The arms' dtypes, joined: what the environment key of the suite's goldens carries."""
         return "+".join(sorted({arm.dtype for arm in self.arms.values()}))
 
-    @property
-    def subject_dir(self) -> Path:
-        """Where a ``module:factory`` subject is looked up first: the suite file's folder."""
-        return self.path.resolve().parent
-
     def to_dict(self) -> dict[str, Any]:
         """The resolved suite as manifest.json records it (and the workers read it)."""
         return {

@@ -27,7 +27,7 @@ from harness.compare import tier_from_spec
 from harness.records import METRIC_COLUMNS
 from harness.shipped import shipped_dir
 from harness.specs import ArmSpec, CheckSpec, DebugSpec, SuiteSpec, ThroughputSpec
-from harness.subject import DEFAULT, Subject, SubjectError, load_subject
+from harness.subject import DEFAULT, Subject, SubjectError, SubjectFault, load_subject, raised_in
 from harness.subject.config import display_path, show
 from harness.subject.protocol import SuiteTables
 
@@ -106,9 +106,11 @@ def _subject(raw: dict, path: Path, shown: str) -> Subject:
     if not isinstance(name, str) or not name:
         raise SuiteError(f"{shown}: subject: expected a non-empty string, got {show(name)}")
     try:
-        return load_subject(name, path.resolve().parent)
+        return load_subject(name, path.resolve())
     except SubjectError as e:
         raise SuiteError(f"{shown}: subject: {e}") from None
+    except SubjectFault as e:
+        raise SubjectFault(f"{shown}: subject: {e}") from None
 
 
 def field_reader(shown: str) -> _Validator:
@@ -149,6 +151,20 @@ class _Validator:
             if dotted == field or dotted.startswith(field + ".") or field.startswith(dotted + "."):
                 return SuiteError(f"{origin}: {msg}")
         return SuiteError(f"{self.shown}: {dotted}: {msg}" if dotted else f"{self.shown}: {msg}")
+
+    def parse_arms(self, tables: SuiteTables) -> dict[str, ArmSpec]:
+        """The subject's arms: what it raises rejecting its config is bad input (SuiteError, exit 2), anything
+        else its bug (SubjectFault, exit 1), named by where in its code (harness/subject/protocol.py)."""
+        subject = f"subject {show(self.subject.name)}"
+        try:
+            return self.subject.parse_arms(tables, self)
+        except SuiteError:
+            raise
+        except (SubjectError, ValueError) as e:
+            raise self.error("", f"{subject} rejects its config: {e}") from None
+        except Exception as e:
+            where = raised_in(e, self.subject.source)
+            raise SubjectFault(f"{self.shown}: {subject}: parse_arms raised: {where}") from None
 
     # --- overrides -------------------------------------------------------------------------
 
@@ -271,7 +287,7 @@ class _Validator:
         if not isinstance(arms_raw, dict) or not arms_raw:
             raise self.error("arms", f"expected at least one [arms.NAME] table, got {show(arms_raw)}")
         tables = SuiteTables(raw.get("model", {}), raw.get("train", {}), arms_raw, ranks, steps, path, self.device)
-        arms = self.subject.parse_arms(tables, self)
+        arms = self.parse_arms(tables)
         throughput = self.throughput(raw["throughput"], arms) if "throughput" in raw else None
         checks_raw = raw.get("checks", [])
         if not isinstance(checks_raw, list) or (not checks_raw and throughput is None):

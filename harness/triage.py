@@ -10,12 +10,14 @@ reset by peer") are consequences. The rules, in order:
    cgroup's OOM-kill counter rose is named an OOM kill.
 2. It raised :class:`~harness.subject.protocol.CheckpointRefused` (a partial checkpoint, a
    damaged one, one of another config): bad input, its one line the reason.
-3. It raised, and its exception matches a flake pattern below: infrastructure.
-4. It raised, and the traceback passes through the system under test (its ``Subject.source``):
+3. It raised :class:`~harness.subject.protocol.BadRecord` (a record no run could have made,
+   harness/seam.py): the subject's fault, a regression, its one line naming the arm and the record.
+4. It raised, and its exception matches a flake pattern below: infrastructure.
+5. It raised, and the traceback passes through the system under test (its ``Subject.source``):
    a regression, reported as the failed check "rank k raised" with the traceback. A shape error
    or an internal consistency assertion ("replay of batch 2 diverged") a change introduced fails
    the same way on every retry.
-5. Anything else (the harness's own code, an exit without a traceback): infrastructure.
+6. Anything else (the harness's own code, an exit without a traceback): infrastructure.
 
 The patterns are matched against the exception's last line only: every traceback through a
 collective has ``distributed_c10d.py`` among its frames, and that alone says nothing.
@@ -29,11 +31,12 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from harness.subject.protocol import CheckpointRefused
+from harness.subject.protocol import BadRecord, CheckpointRefused
 
 REGRESSION, INFRASTRUCTURE, BAD_INPUT = "regression", "infrastructure", "bad-input"
 # How a traceback's last line starts when the rank refused a checkpoint.
 REFUSED = f"{CheckpointRefused.__module__}.{CheckpointRefused.__qualname__}: "
+BAD_RECORD = f"{BadRecord.__module__}.{BadRecord.__qualname__}: "
 MEMORY_EVENTS = Path("/sys/fs/cgroup/memory.events")
 
 # (what it is, pattern on the exception line): failures that retrying may cure.
@@ -93,6 +96,8 @@ def classify(
     line = exception_line(traceback)
     if line.startswith(REFUSED):
         return Verdict(BAD_INPUT, line.removeprefix(REFUSED))
+    if line.startswith(BAD_RECORD):
+        return Verdict(REGRESSION, "a record no run could have made: the subject's fault")
     for what, pattern in FLAKE_PATTERNS:
         if pattern.search(line):
             return Verdict(INFRASTRUCTURE, f"{what} error")

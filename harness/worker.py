@@ -60,8 +60,9 @@ from harness.digests import HASH_EVERY, digest_all, final_weights, parameters_ha
 from harness.files import write_json_atomic
 from harness.manifest import Manifest
 from harness.phases import PhaseLog
-from harness.records import DigestLine, JsonlWriter, RankLine
+from harness.records import DigestLine, JsonlWriter, RankLine, read_jsonl
 from harness.rundir import THROUGHPUT, ArmFiles, arm_files, phases_file
+from harness.seam import ReceivedRecords
 from harness.specs import ArmSpec, DebugSpec, SuiteSpec
 from harness.subject import Subject, subject_of
 from harness.subject.protocol import Arm, ArmContext, OpsNotRecordable, RankUpdate, StepRecord
@@ -245,16 +246,18 @@ class _ArmWriters:
 
 
 class FileRecorder:
-    """The :class:`~harness.subject.protocol.Recorder` of a rank: every record family to its file.
-    Every logical rank's loss, grad norm and replicated parameter hash; logical rank 0's gradient and
-    parameter digests (see harness.digests); token-exchange and PEC events; an oracle's lines."""
+    """The :class:`~harness.subject.protocol.Recorder` of a rank: every record family to its file, each
+    record checked first (harness/seam.py). Every logical rank's loss, grad norm and replicated parameter
+    hash; logical rank 0's gradient and parameter digests (see harness.digests); token-exchange and PEC
+    events; an oracle's lines."""
 
-    def __init__(self, files: ArmFiles, writers: _ArmWriters, steps: int) -> None:
-        self._files, self._writers, self._steps = files, writers, steps
+    def __init__(self, files: ArmFiles, writers: _ArmWriters, steps: int, received: ReceivedRecords) -> None:
+        self._files, self._writers, self._steps, self._received = files, writers, steps, received
         self._grad_digests: dict[int, dict[str, list]] = {}  # logical rank 0's, until its update
         self._grad_sums: dict[tuple[int, int], tuple[str, str]] = {}  # (logical rank, step) -> hashes, until then
 
     def gradients(self, logical_rank: int, step: int, grads: Mapping[str, torch.Tensor]) -> None:
+        self._received.gradients(logical_rank, step, grads)
         if logical_rank == 0:
             self._grad_digests[step] = digest_all(dict(grads))
 
@@ -262,6 +265,7 @@ class FileRecorder:
         self._grad_sums[logical_rank, step] = (parameters_hash([summed]), parameters_hash([fp32_resum]))
 
     def rank_update(self, logical_rank: int, step: int, update: RankUpdate) -> None:
+        self._received.rank_update(logical_rank, step, update)
         hashed = step % HASH_EVERY == 0 or step == self._steps
         replicated = parameters_hash(update.replicated.values()) if hashed else None
         line = RankLine(step, update.loss, update.grad_norm, replicated, *self._grad_sums.pop((logical_rank, step), ()))
@@ -272,12 +276,15 @@ class FileRecorder:
             self._writers.write(self._files.digests, digests.to_json())
 
     def exchange_event(self, logical_rank: int, event: Mapping[str, Any]) -> None:
+        self._received.event("exchange_event", logical_rank, event)
         self._writers.write(self._files.events(logical_rank), event)
 
     def pec_event(self, logical_rank: int, event: Mapping[str, Any]) -> None:
+        self._received.event("pec_event", logical_rank, event)
         self._writers.write(self._files.pec(logical_rank), event)
 
     def fidelity(self, record: Mapping[str, Any]) -> None:
+        self._received.fidelity(record)
         self._writers.write(self._files.fidelity, record)
 
 
@@ -332,6 +339,20 @@ def _checkpointing(arm: Arm, spec: ArmSpec) -> Any:
     return arm
 
 
+def _received(spec: ArmSpec, steps: int, first: int = 1) -> ReceivedRecords:
+    """The checks of what the arm hands this rank (harness/seam.py): process p of P hosts logical
+    ranks [p*L/P, (p+1)*L/P) of L; ``first``: the step its next StepRecord must carry."""
+    rank, per = dist.get_rank(), spec.logical_ranks // dist.get_world_size()
+    return ReceivedRecords(spec.name, rank, range(rank * per, (rank + 1) * per), steps, first)
+
+
+def _next_update(files: ArmFiles, segment: Segment) -> int:
+    """The step the arm's first StepRecord of this launch must carry: 1, or in a resumed launch the
+    one after the last its first launch wrote (a pipeline's updates trail its steps)."""
+    written = read_jsonl(files.metrics) if segment.first_step > 1 and files.metrics.is_file() else []
+    return written[-1]["step"] + 1 if written else 1
+
+
 def _seeded(spec: ArmSpec) -> None:
     """Every arm starts from the same RNG state, whatever ran before it in this process."""
     random.seed(spec.seed)
@@ -360,9 +381,10 @@ def run_arm(
     segment = segment or Segment()
     last = segment.last_step or steps
     _seeded(spec)
+    received = _received(spec, steps, _next_update(files, segment))
     with contextlib.ExitStack() as stack:
         writers = _ArmWriters(stack)
-        recorder = FileRecorder(files, writers, steps)
+        recorder = FileRecorder(files, writers, steps, received)
         metrics = stack.enter_context(JsonlWriter(files.metrics)) if rank == 0 else None
         with phases.phase("build", arm=spec.name) as build:
             arm = subject.build(ArmContext(spec, device, steps, None if ops is not None else recorder, cache_dir))
@@ -376,8 +398,9 @@ def run_arm(
                 _checkpointing(arm, spec).load_checkpoint(files.checkpoint, segment.first_step - 1)
         if rank == 0:
             isa = torch.backends.cpu.get_cpu_capability().lower()
-            write_json_atomic(files.arm, {"train": spec.train, "cpu_capability": isa, "info": arm.info()})
-            if arm.graph_export() is not None:
+            info = received.info(arm.info())
+            write_json_atomic(files.arm, {"train": spec.train, "cpu_capability": isa, "info": info})
+            if received.graph(arm.graph_export()) is not None:
                 write_json_atomic(files.graph, arm.graph_export())
         updates_done, last_update = 0, segment.first_step - 1
         recording = _recording_ops(subject, arm, files, spec.name, steps, ops.capture) if ops is not None else None
@@ -385,13 +408,16 @@ def run_arm(
             if recording is not None and op_recorder is None:  # refused: the op file says why
                 return
             planned = range(segment.first_step, last + 1)
+            stopped = False
 
             def before(step: int) -> bool:
+                nonlocal stopped
                 if op_recorder is not None:
                     op_recorder.step = step
-                return _inject_fault(debug, spec.name, step, rank)
+                stopped = not _inject_fault(debug, spec.name, step, rank)
+                return not stopped
 
-            for record in updates(arm, planned, before, drain=last == steps):
+            for record in map(received.step_record, updates(arm, planned, before, drain=last == steps)):
                 updates_done, last_update = updates_done + 1, record.step
                 detail["steps"] = updates_done
                 if metrics is not None:
@@ -400,6 +426,8 @@ def run_arm(
                     f"[arm {spec.name}] step {record.step}/{steps} loss={record.loss!r} grad_norm={record.grad_norm!r}",
                     flush=True,
                 )
+            if last == steps and not stopped:
+                received.all_drained()
         if segment.checkpoint == "save":
             with phases.phase("save", arm=spec.name):
                 _checkpointing(arm, spec).save_checkpoint(files.checkpoint, last)
@@ -407,7 +435,7 @@ def run_arm(
         with phases.phase("finish", arm=spec.name):
             # The last update's own step: a pipeline's updates trail its batches, so a resumed
             # launch of one makes more updates than it has steps.
-            for logical_rank, parameters in arm.final_weights().items():
+            for logical_rank, parameters in received.final_weights(arm.final_weights()).items():
                 write_json_atomic(files.weights(logical_rank), final_weights(parameters, last_update))
 
 
@@ -439,6 +467,7 @@ class _TimedArm:
         self, subject: Subject, spec: ArmSpec, device: str, total_steps: int, slow_fraction: float, cache: Path | None
     ) -> None:
         _seeded(spec)
+        self.received = _received(spec, total_steps)
         self.arm = subject.build(ArmContext(spec, device, total_steps, None, cache))
         self.slow_fraction = slow_fraction
         self.next_step = 1
@@ -449,7 +478,7 @@ class _TimedArm:
         for _ in range(steps):
             start = time.perf_counter()
             record = self.arm.step(self.next_step)
-            tokens += record.tokens if record is not None else 0
+            tokens += self.received.step_record(record).tokens if record is not None else 0
             self.next_step += 1
             if self.slow_fraction:
                 time.sleep(self.slow_fraction * (time.perf_counter() - start))

@@ -4,6 +4,7 @@ loading and refusals that keep the harness honest about what a subject can feed.
 from __future__ import annotations
 
 import json
+import os
 import sys
 import textwrap
 from pathlib import Path
@@ -11,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from harness.checks import FAMILIES
+from harness.cli import main
 from harness.records import read_jsonl
 from harness.subject import ENTRY_POINT_GROUP, SubjectError, load_subject, protocol
 from harness.suites import SuiteError, load_suite
@@ -185,3 +187,209 @@ def test_a_subject_beside_its_suite_is_the_only_module_taken_from_that_folder(tm
     (raising / "broken_subject.py").write_text("raise ValueError('no')\n")
     with pytest.raises(SuiteError, match=r'subject "broken_subject:f": .*broken_subject.py raised ValueError: no'):
         load_suite(str(_suite(raising, "broken_subject:f")))
+
+
+# --- what a suite may import: StrictModes on the suite file, the module beside it and their folders ---
+
+_MARKS_IMPORT = "from pathlib import Path\nPath(__file__).with_name('imported').write_text('ran')\n"
+
+
+def _shared(tmp_path: Path, module: str, package: bool = False) -> tuple[Path, Path]:
+    """A suite naming ``module:subject`` and the module beside it (a package with a submodule when
+    ``package``), which leaves a file ``imported`` when it is imported; (suite, folder)."""
+    folder = tmp_path / "shared"
+    folder.mkdir()
+    if package:
+        (folder / module).mkdir()
+        (folder / module / "__init__.py").write_text("")
+        (folder / module / "sub.py").write_text(_MARKS_IMPORT)
+    else:
+        (folder / f"{module}.py").write_text(_MARKS_IMPORT)
+    target = f"{module}.sub:subject" if package else f"{module}:subject"
+    return _suite(folder, target), folder
+
+
+@pytest.mark.parametrize(
+    ("planted", "unsafe", "why"),
+    [
+        ("folder-0777", "", "mode 0777 is writable by others without the sticky bit"),
+        ("module-of-another-user", "{module}.py", "owned by uid 12345, expected this user's uid"),
+        ("module-0666", "{module}.py", "mode 0666 is writable by others"),
+        ("suite-of-another-user", "s.toml", "owned by uid 12345, expected this user's uid"),
+        ("suite-0666", "s.toml", "mode 0666 is writable by others"),
+        ("package-file-of-another-user", "{module}/sub.py", "owned by uid 12345, expected this user's uid"),
+    ],
+)
+def test_a_subject_module_others_could_have_written_is_refused_before_it_is_imported(
+    tmp_path: Path, planted: str, unsafe: str, why: str
+) -> None:
+    module = f"shared_{planted.replace('-', '_')}"
+    suite, folder = _shared(tmp_path, module, package=planted.startswith("package"))
+    path = folder / unsafe.format(module=module) if unsafe else folder
+    if "another-user" in planted:
+        os.chown(path, 12345, -1)
+    else:
+        path.chmod(0o777 if path.is_dir() else 0o666)
+    with pytest.raises(SuiteError) as error:
+        load_suite(str(suite))
+    message = str(error.value)
+    assert message.startswith(f'{suite}: subject: subject "{module}')
+    assert f"refused: {path}: {why}" in message
+    assert f'install it and name its "{ENTRY_POINT_GROUP}" entry point' in message and "\n" not in message
+    assert not (folder / "imported").exists() and not (folder / module / "imported").exists()
+
+
+def test_a_subject_module_in_a_shared_folder_exits_2_with_one_line_and_nothing_launched(
+    run_harness, tmp_path: Path
+) -> None:
+    suite, folder = _shared(tmp_path, "shared_cli")
+    folder.chmod(0o777)
+    out = tmp_path / "run"
+    run = run_harness("run", suite, "--out", out)
+    assert run.returncode == 2, run.stdout + run.stderr
+    assert run.stderr.splitlines() == [
+        f'error: {suite}: subject: subject "shared_cli:subject": refused: {folder}: mode 0777 is writable by others'
+        " without the sticky bit; a module beside a suite is imported only where nobody else can write (to run a"
+        f' trainer from a shared place, install it and name its "{ENTRY_POINT_GROUP}" entry point)'
+    ]
+    assert not (folder / "imported").exists() and not out.exists()
+
+
+# --- a subject's own code failing as it is loaded: whose fault, which exit code ---
+
+_TINY = (
+    f"import sys\nsys.path.insert(0, {str(REPO / 'examples')!r})\nimport tiny_dp\n"
+    "from harness.subject import SubjectError\n"
+)
+
+
+@pytest.mark.parametrize(
+    ("case", "code", "exit_code", "expected"),
+    [
+        (
+            "factory-raises",
+            "def subject():\n    return {}['missing']\n",
+            1,
+            "its factory raised: {module}:6: KeyError: 'missing'",
+        ),
+        (
+            "factory-refuses",
+            "def subject():\n    raise SubjectError('needs the foo extra: pip install foo')\n",
+            2,
+            'subject "{name}:subject": needs the foo extra: pip install foo',
+        ),
+        (
+            "parse-arms-rejects",
+            "class S(tiny_dp.TinyDP):\n    def parse_arms(self, tables, reader):\n"
+            "        raise ValueError('lr must be a power of two')\n\ndef subject():\n    return S()\n",
+            2,
+            'subject "tiny-dp" rejects its config: lr must be a power of two',
+        ),
+        (
+            "parse-arms-raises",
+            "class S(tiny_dp.TinyDP):\n    source = (__import__('pathlib').Path(__file__).resolve(),)\n"
+            "    def parse_arms(self, tables, reader):\n        return tables.arms['a'].nosuch\n\n"
+            "def subject():\n    return S()\n",
+            1,
+            "subject \"tiny-dp\": parse_arms raised: {module}:8: AttributeError: 'dict' object has no attribute"
+            " 'nosuch'",
+        ),
+    ],
+)
+def test_a_subject_raising_as_it_loads_is_its_bug_exit_1_unless_it_rejects_its_input_exit_2(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path, case: str, code: str, exit_code: int, expected: str
+) -> None:
+    name = f"loads_{case.replace('-', '_')}"
+    module = tmp_path / f"{name}.py"
+    module.write_text(_TINY + code)
+    suite = _suite(tmp_path, f"{name}:subject")
+    assert main(["run", str(suite), "--out", str(tmp_path / "run")]) == exit_code
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: {suite}: ") and err.count("\n") == 1, err
+    assert expected.format(module=module, name=name) in err
+    assert not (tmp_path / "run").exists()
+
+
+def test_a_factory_that_hangs_exits_3_at_the_timeout_naming_where_it_hangs(run_harness, tmp_path: Path) -> None:
+    module = tmp_path / "hangs_forever.py"
+    module.write_text("import time\n\n\ndef subject():\n    while True:\n        time.sleep(1)\n")
+    suite = _suite(tmp_path, "hangs_forever:subject")
+    run = run_harness("run", suite, "--timeout", 5, timeout=90)
+    assert run.returncode == 3, run.stdout + run.stderr
+    [line] = run.stderr.splitlines()
+    assert line.startswith(f"error: suite {suite}: still loading after --timeout 5s, hangs at {module}:6 in subject")
+    stack = Path(line.rsplit("(stack: ", 1)[1].rstrip(")"))
+    assert f'File "{module}", line 6, in subject' in stack.read_text()
+    assert run.elapsed_s < 60  # 5 s of loading after the harness's own imports, not forever
+
+
+# --- records no run could have made: checked where the rank receives them, the subject's fault ---
+
+_BAD_RECORDS = """
+import dataclasses
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, {examples!r})
+import tiny_dp
+from harness.subject import protocol
+
+BAD = os.environ["BAD_RECORD"]
+
+
+class Arm(tiny_dp.TinyDPArm):
+    def step(self, step):
+        record = super().step(step)
+        if BAD == "foreign-logical-rank":
+            self.recorder.rank_update(5, step, protocol.RankUpdate(1.0, 1.0, {{}}))
+        changes = {{
+            "steps-101-102": {{"step": step + 100}},
+            "repeated-step": {{"step": 1}},
+            "missing-step": {{"step": 2 * step}},
+            "nan-tokens": {{"tokens": float("nan")}},
+            "negative-step-time": {{"step_time_s": -1.0}},
+        }}.get(BAD, {{}})
+        return dataclasses.replace(record, **changes)
+
+    def final_weights(self):
+        weights = super().final_weights()
+        return {{self.rank: {{"w": 1.0}}}} if BAD == "weights-not-tensors" else weights
+
+
+class Subject(tiny_dp.TinyDP):
+    def build(self, context):
+        return Arm(context)
+
+
+def subject():
+    return Subject()
+"""
+
+
+@pytest.mark.parametrize(
+    ("bad", "record"),
+    [
+        ("steps-101-102", "StepRecord step 101: not a step of this run (it asked for steps 1-2)"),
+        ("repeated-step", "StepRecord step 1: expected step 2 next (repeated or out of order)"),
+        ("missing-step", "StepRecord step 2: expected step 1 next (step 1 missing)"),
+        ("nan-tokens", "StepRecord step 1: tokens is nan, expected an int >= 0"),
+        ("negative-step-time", "StepRecord step 1: step_time_s is -1.0, expected a finite number >= 0"),
+        ("foreign-logical-rank", "rank_update of logical rank 5: this process hosts logical ranks {rank}-{rank}"),
+        ("weights-not-tensors", "final_weights of logical rank {rank}: 'w' -> float, expected name -> tensor"),
+    ],
+)
+def test_a_record_no_run_could_have_made_is_the_subjects_fault_naming_arm_rank_and_record(
+    run_harness, tmp_path: Path, bad: str, record: str
+) -> None:
+    (tmp_path / "bad_records.py").write_text(_BAD_RECORDS.format(examples=str(REPO / "examples")))
+    out = tmp_path / "run"
+    run = run_harness("run", _suite(tmp_path, "bad_records:subject"), "--out", out, env={"BAD_RECORD": bad})
+    assert run.returncode == 1, run.stdout + run.stderr
+    [raised] = [c for c in run.summary(out)["checks"] if c["kind"] == "rank-raised"]
+    rank = int(raised["name"].split()[1])  # "rank k raised": the root cause, which the line names
+    expected = f"BadRecord: arm 'a', rank {rank}: {record.format(rank=rank)}"
+    assert raised["status"] == "fail" and raised["detail"].endswith(expected), raised["detail"]
+    assert "the subject's fault" in raised["detail"]
+    assert "step 101/2" not in run.stdout

@@ -19,7 +19,25 @@ trainer a user brings (``"package.module:factory"``, or an entry point of the gr
 
 Record families. Every check family declares the families it reads
 (:class:`~harness.checks.registry.CheckFamily`), and a suite whose check reads a family its arm
-cannot emit is refused at load (exit 2), naming the check and the subject.
+cannot emit is refused at load (exit 2), naming the check and the subject. Every record a rank
+receives is checked there before it is written (:mod:`harness.seam`): a record no run could have
+made (a step the run did not ask for, one missing, repeated or out of order, negative or NaN tokens
+or seconds, a logical rank the process does not host) is :class:`BadRecord`, the subject's fault.
+
+Whose fault, and its exit code, when the subject's own code fails in the harness process (loading):
+
+* its module cannot be found or raises on import, its factory is no callable, returns something
+  that is no subject, or raises :class:`SubjectError` (it refuses to load: a missing extra):
+  bad input, exit 2, one line naming the subject and why;
+* its factory raises anything else: the subject's bug, :class:`SubjectFault`, exit 1, one line
+  naming the file:line of its traceback's last frame in the subject's code and the exception line
+  (the factory takes no input, so it cannot be refusing any);
+* ``parse_arms`` raises through ``reader.error``, or raises :class:`SubjectError` or ``ValueError``:
+  it rejects the suite's config, bad input, exit 2, naming the suite file; anything else it raises
+  is the subject's bug, exit 1, as for the factory;
+* loading (the import, the factory, ``parse_arms``) that is still running at the run's ``--timeout``
+  is reported as a rank's hang is: exit 3, one line naming the file:line where it hangs, the whole
+  stack in a file the line names (:mod:`harness.loading`).
 """
 
 from __future__ import annotations
@@ -63,6 +81,16 @@ FAMILIES = (
 
 class SubjectError(Exception):
     """A subject that cannot be found or loaded; the message is one line naming it and why."""
+
+
+class SubjectFault(Exception):
+    """The subject's own code raised while the harness loaded it (its factory, or ``parse_arms`` other than
+    rejecting its config): its bug, exit 1; one line naming the subject, where in its code, and the exception."""
+
+
+class BadRecord(Exception):
+    """A record a subject handed a rank that no run could have made: the subject's fault, exit 1 (triage.py);
+    the message is one line naming the arm, the rank and the record."""
 
 
 class CheckpointRefused(Exception):
