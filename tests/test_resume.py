@@ -4,21 +4,19 @@ run that never stopped, bit for bit."""
 
 from __future__ import annotations
 
-import contextlib
 import ctypes
 import json
 import os
 import pickle
 import re
 import shutil
-import stat
 import subprocess
 import sys
 import tempfile
 import textwrap
 import time
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 
 import pandas as pd
@@ -37,7 +35,7 @@ from harness.reference.pipeline import PipelineConfig, VersionedTrainer
 from harness.reference.train import TrainConfig, Trainer
 from harness.specs import CheckSpec
 from harness.suites import load_suite
-from harness.trust import tag, user_key
+from harness.trust import mode_of, tag, user_key
 
 CONFIG = TrainConfig(ep=2, chunking="eager", chunks=2)  # EP=2 as logical ranks of this process
 PIPELINE = PipelineConfig(ep=2, chunking="eager", chunks=2, delay=2, correction="always")
@@ -285,29 +283,18 @@ def _in_flight(out: Path, arm: str, rank: int) -> set[str]:
     return {k.removeprefix(prefix) for k in keys if k.startswith(prefix)}
 
 
-@contextlib.contextmanager
-def _umask(mask: int) -> Iterator[None]:
-    """This process's umask, and so its children's, set to ``mask`` for the block."""
-    before = os.umask(mask)
-    try:
-        yield
-    finally:
-        os.umask(before)
-
-
 def _modes(root: Path) -> dict[str, str]:
     """Every folder's and file's mode under ``root`` (itself included), by path relative to it."""
     places = [root, *root.rglob("*")]
-    return {p.relative_to(root).as_posix(): f"{stat.S_IMODE(p.stat().st_mode):04o}" for p in places}
+    return {p.relative_to(root).as_posix(): mode_of(p.stat()) for p in places}
 
 
-def test_the_suite_passes_every_case(run_harness, tmp_path: Path) -> None:
+def test_the_suite_passes_every_case(run_harness, umask_000: None, tmp_path: Path) -> None:
     """One run of the shipped suite, read for every case (a run costs a minute on 2 cores). It runs
     under umask 000, where every folder would be 0777 and every file 0666: the run directory and the
     checkpoints must be private all the same, or the loading ranks would refuse them."""
     out = tmp_path / "run"
-    with _umask(0):
-        run = run_harness("run", "resume", "--ranks", 2, "--out", out, timeout=600)
+    run = run_harness("run", "resume", "--ranks", 2, "--out", out, timeout=600)
     assert run.returncode == 0, run.stdout + run.stderr
     assert _modes(out)["."] == "0700"
     for arm in RESUMED:
