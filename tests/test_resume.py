@@ -542,6 +542,25 @@ def test_a_checkpoint_under_a_folder_others_could_write_is_not_read(saved: Path)
     assert checkpoint.load(_trainer(), saved, 2) == 2
 
 
+def test_a_key_that_is_not_the_users_secret_signs_and_checks_no_checkpoint(
+    saved: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Without the user's own key nothing can be signed or verified: refused, naming the key file."""
+    monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path / "config"))
+    key = tmp_path / "config" / "harness" / "trace-cache.key"
+    key.parent.mkdir(parents=True)
+    key.write_text("0" * 64)
+    key.chmod(0o644)
+    why = f"{key}: expected mode 0600 (no access for others), got 0644: no checkpoint can be"
+    trainer = _trainer()
+    with pytest.raises(checkpoint.CheckpointError) as info:
+        checkpoint.save(trainer, 3, tmp_path / "other")
+    assert str(info.value) == f"{why} signed with it"
+    with pytest.raises(checkpoint.CheckpointError) as info:
+        checkpoint.load(trainer, saved, 2)
+    assert str(info.value) == f"{why} checked with it"
+
+
 def _results(resumed_info: dict, straight_losses: list[float], resumed_losses: list[float]) -> dict[str, CheckResult]:
     """The resume check on synthetic records of MINI's two arms: name -> result."""
 

@@ -256,7 +256,7 @@ def _signed_name(step: int, relative: str) -> str:
 def _sign(partial: Path, step: int) -> dict[str, str]:
     """Each file the processes wrote into ``partial``, made 0600 whatever the umask, and its tag (hex)
     under the user's key over the bytes read back once through one descriptor."""
-    key = trust.user_key()
+    key = _user_key("signed")
     tags = {}
     for path in sorted(partial.iterdir()):
         path.chmod(0o600)
@@ -272,10 +272,7 @@ class _SignedFiles(FileSystem):
     def __init__(self, checkpoint: Path, step: int, tags: dict[str, str]) -> None:
         super().__init__()
         self.checkpoint, self.step, self.tags = checkpoint, step, tags
-        try:
-            self.key = trust.user_key()
-        except TrustError as e:
-            raise CheckpointError(f"{e}: no checkpoint can be checked: not loaded") from None
+        self.key = _user_key("checked")
 
     def verified(self, path: Path) -> bytes:
         """The bytes of ``path`` (in the checkpoint), once they are found to be what the save signed."""
@@ -319,6 +316,14 @@ class _SignedReader(dcp.FileSystemReader):
         metadata.storage_meta = metadata.storage_meta or StorageMeta()
         metadata.storage_meta.load_id = self.load_id
         return metadata
+
+
+def _user_key(use: str) -> bytes:
+    """The user's key (:func:`harness.trust.user_key`); one that is not the user's secret is a CheckpointError."""
+    try:
+        return trust.user_key()
+    except TrustError as e:
+        raise CheckpointError(f"{e}: no checkpoint can be {use} with it") from None
 
 
 def _race_window() -> None:
