@@ -13,7 +13,9 @@ here and nowhere else (docs/run-directory.md lists what each file holds)::
                    arms/<arm>/ add ops.rank<k>.jsonl (and, in capture/, captured.rank<k>.npz)
 
 A run directory is made here too (:func:`make_run_dir`), never reused, with the harness's own log
-(:func:`harness_log`).
+(:func:`harness_log`). It is private (0700, the folders it makes above it too) whatever the umask: a
+resumed arm's checkpoint lives in it, and a rank loads one only where every folder above it is the
+user's alone (harness/reference/checkpoint.py).
 """
 
 from __future__ import annotations
@@ -24,6 +26,8 @@ from contextlib import contextmanager, suppress
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
+
+from harness.trust import make_private_folders
 
 MANIFEST = "manifest.json"
 SUMMARY = "summary.json"
@@ -116,32 +120,34 @@ def phases_file(run_dir: Path, group: str, rank: int) -> Path:
 
 
 def fresh_dir(path: Path, what: str) -> Path:
-    """``--out DIR``: a new or empty directory, made with its ``logs/``; else RunDirError naming it."""
+    """``--out DIR``: a new or empty directory, made private (0700) with its ``logs/``; else RunDirError
+    naming it."""
     if path.exists() and (not path.is_dir() or any(path.iterdir())):
         raise RunDirError(f"--out {path}: exists and is not an empty directory")
     try:
-        path.mkdir(parents=True, exist_ok=True)
-        (path / LOGS_DIR).mkdir()
+        make_private_folders(path / LOGS_DIR)
+        path.chmod(0o700)  # an empty --out DIR that was there already
     except OSError as e:
         raise RunDirError(f"--out {path}: cannot create the {what}: {e.strerror}") from None
     return path
 
 
 def make_run_dir(suite: str, out: Path | None) -> Path:
-    """``--out DIR`` (new or empty), else ./reports/<suite>/<UTC timestamp>[-n], never reused."""
+    """``--out DIR`` (new or empty), else ./reports/<suite>/<UTC timestamp>[-n], never reused; private."""
     if out is not None:
         return fresh_dir(out, "run directory")
     stamp = datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%SZ")
     base = REPORTS_DIR.absolute() / suite
     try:
-        base.mkdir(parents=True, exist_ok=True)
+        make_private_folders(base)
         for n in range(1, 1000):
             path = base / (stamp if n == 1 else f"{stamp}-{n}")
             try:
-                path.mkdir()
+                path.mkdir(mode=0o700)
             except FileExistsError:
                 continue
-            (path / LOGS_DIR).mkdir()
+            make_private_folders(path / LOGS_DIR)
+            path.chmod(0o700)  # mkdir's mode passes through the umask
             return path
     except OSError as e:
         raise RunDirError(f"{base}: cannot create a run directory ({e.strerror}); choose one with --out DIR") from None

@@ -66,7 +66,7 @@ class DebugSpec:
     ``fail_step`` is set). ``slow_*``: in a throughput measurement every step of ``slow_arm``
     sleeps ``slow_fraction`` of its own duration after it (a planted slowdown of that fraction).
     ``checkpoint_damage``: every resumed arm's checkpoint is damaged between its two launches
-    (a shard missing or truncated, or a manifest of another config; harness.worker)."""
+    (a shard missing or truncated, a garbage index, or a manifest of another config; harness.worker)."""
 
     fail_step: int | None = None
     fail_rank: int = 0

@@ -35,7 +35,7 @@ from harness.subject.protocol import SuiteTables
 SUITES_DIR = shipped_dir("suites")
 MAX_RANKS = 8
 FAIL_MODES = ("raise", "hang", "exit", "kill", "stop")
-CHECKPOINT_DAMAGE = ("missing-shard", "truncated-shard", "other-config")
+CHECKPOINT_DAMAGE = ("missing-shard", "truncated-shard", "garbage-index", "other-config")
 # Names that become paths (suites, arms) or labels (checks) must be safe as both.
 NAME_PATTERN = re.compile(r"[a-z0-9][a-z0-9_-]*")
 CHECK_NAME_PATTERN = re.compile(r"[A-Za-z0-9][A-Za-z0-9 _.,:()+-]*")

@@ -67,6 +67,7 @@ from harness.specs import ArmSpec, DebugSpec, SuiteSpec
 from harness.subject import Subject, subject_of
 from harness.subject.protocol import Arm, ArmContext, OpsNotRecordable, RankUpdate, StepRecord
 from harness.throughput import stop_reason
+from harness.trust import make_private_folders
 
 if TYPE_CHECKING:
     from harness.op_divergence import OpRecorder
@@ -199,8 +200,9 @@ def _inject_fault(debug: DebugSpec, arm: str, step: int, rank: int) -> bool:
 def _damage_checkpoint(folder: Path, how: str, rank: int) -> None:
     """The [debug] table's ``checkpoint_damage``, done by process rank 0 before a resumed arm's load,
     then a barrier: a shard (torch.distributed.checkpoint's ``*.distcp``, the last by name) removed
-    or cut to half its size, or the manifest (the reference's ``harness.json``) made to record
-    another seed, as a checkpoint of another config would."""
+    or cut to half its size, the index (``.metadata``) overwritten with bytes that are no pickle, or
+    the manifest (the reference's ``harness.json``) made to record another seed, as a checkpoint of
+    another config would."""
     if rank == 0:
         print(f"[debug] damaging the checkpoint under {folder}: {how}", flush=True)
         shard = sorted(folder.rglob("*.distcp"))[-1]
@@ -208,6 +210,8 @@ def _damage_checkpoint(folder: Path, how: str, rank: int) -> None:
             shard.unlink()
         elif how == "truncated-shard":
             os.truncate(shard, shard.stat().st_size // 2)
+        elif how == "garbage-index":
+            next(folder.rglob(".metadata")).write_bytes(b"garbage, not a pickle\n" * 8)
         else:
             manifest = next(folder.rglob("harness.json"))
             saved = json.loads(manifest.read_text())
@@ -378,6 +382,7 @@ def run_arm(
     its metrics: the harness's own digests must not run among its ops."""
     rank = dist.get_rank()
     files = arm_files(run_dir, spec.name)
+    make_private_folders(files.dir)  # every rank, before any writes: a checkpoint goes in it (rundir.py)
     segment = segment or Segment()
     last = segment.last_step or steps
     _seeded(spec)

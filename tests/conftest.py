@@ -7,7 +7,7 @@ import os
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -97,6 +97,15 @@ def shared_trace_cache(tmp_path_factory: pytest.TempPathFactory, monkeypatch: py
         session = session.parent  # popen-gw<k>/ sits in the session's directory
     monkeypatch.setenv("HARNESS_TRACE_CACHE", str(session / "trace-cache"))
     monkeypatch.setenv("XDG_CONFIG_HOME", str(session / "config"))
+
+
+@pytest.fixture
+def umask_000() -> Iterator[None]:
+    """umask 000 for the test, and so for the runs it starts: whatever is made without a mode of its
+    own is 0777 (folders) or 0666 (files). Private files must be made so whatever the umask."""
+    before = os.umask(0)
+    yield
+    os.umask(before)
 
 
 @pytest.fixture

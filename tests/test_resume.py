@@ -4,12 +4,19 @@ run that never stopped, bit for bit."""
 
 from __future__ import annotations
 
+import ctypes
 import json
+import os
+import pickle
 import re
+import shutil
 import subprocess
 import sys
 import tempfile
 import textwrap
+import time
+import warnings
+from collections.abc import Callable
 from pathlib import Path
 
 import pandas as pd
@@ -28,6 +35,7 @@ from harness.reference.pipeline import PipelineConfig, VersionedTrainer
 from harness.reference.train import TrainConfig, Trainer
 from harness.specs import CheckSpec
 from harness.suites import load_suite
+from harness.trust import mode_of, tag, user_key
 
 CONFIG = TrainConfig(ep=2, chunking="eager", chunks=2)  # EP=2 as logical ranks of this process
 PIPELINE = PipelineConfig(ep=2, chunking="eager", chunks=2, delay=2, correction="always")
@@ -129,6 +137,21 @@ def _truncate(path: Path) -> None:
     path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
 
 
+def _overwrite(path: Path) -> None:
+    """Garbage of the same size: what no size check catches."""
+    path.write_bytes(b"x" * path.stat().st_size)
+
+
+def _edit_manifest(checkpoint_dir: Path, edit: Callable[[dict], None]) -> None:
+    manifest = checkpoint_dir / checkpoint.MANIFEST
+    saved = json.loads(manifest.read_text())
+    edit(saved)
+    manifest.write_text(json.dumps(saved))
+
+
+NO_MATCH = "its tag does not match the user's key: altered, replaced, cut short or signed with another key: not loaded"
+
+
 @pytest.mark.parametrize(
     ("damage", "message"),
     [
@@ -141,19 +164,60 @@ def _truncate(path: Path) -> None:
             r"step-2/__0_0\.distcp: truncated: (\d+) bytes, the index reads (\d+)$",
         ),
         (lambda c: (c / "step-2" / ".metadata").unlink(), r"step-2/\.metadata: missing: not a complete checkpoint"),
+        (lambda c: _overwrite(c / "step-2" / ".metadata"), r"step-2/\.metadata: " + re.escape(NO_MATCH)),
+        (lambda c: _overwrite(c / "step-2" / "__0_0.distcp"), r"step-2/__0_0\.distcp: " + re.escape(NO_MATCH)),
+        (
+            lambda c: _edit_manifest(c / "step-2", lambda m: m.update(format=1)),
+            r"step-2/harness\.json: format: 1, this harness reads 2",
+        ),
+        (
+            lambda c: _edit_manifest(c / "step-2", lambda m: m.pop("tags")),
+            r"step-2/harness\.json: tags: expected each file's tag, 64 hex digits, got None",
+        ),
         (lambda c: (c / "step-2" / "harness.json").unlink(), r"step-2/harness\.json: missing: the save did not finish"),
         (
             lambda c: (c / "step-2").rename(c / "step-2.partial"),
             r"step-2: no such checkpoint \(found: step-2\.partial\)",
         ),
     ],
-    ids=["missing-shard", "truncated-shard", "no-index", "no-manifest", "unfinished"],
+    ids=[
+        "missing-shard",
+        "truncated-shard",
+        "no-index",
+        "garbage-index",
+        "overwritten-shard",
+        "other-format",
+        "no-tags",
+        "no-manifest",
+        "unfinished",
+    ],
 )
-def test_a_partial_checkpoint_never_loads_and_names_the_file(saved: Path, damage, message: str) -> None:
+def test_a_partial_or_damaged_checkpoint_never_loads_and_names_the_file(saved: Path, damage, message: str) -> None:
     damage(saved)
     with pytest.raises(checkpoint.CheckpointError, match=message) as info:
         checkpoint.load(_trainer(), saved, 2)
     assert str(saved) in str(info.value) and "\n" not in str(info.value)
+    assert "weights_only" not in str(info.value)  # torch's advice to load it unchecked
+
+
+def test_a_signed_shard_torch_cannot_read_is_refused_in_our_words(saved: Path) -> None:
+    """A shard whose tag matches yet whose bytes are no tensors (a build that writes another format):
+    refused naming the shard, never with torch's advice to load it with ``weights_only=False``."""
+    shard = saved / "step-2" / "__0_0.distcp"
+    _overwrite(shard)
+    signed = tag(user_key(), "step-2/__0_0.distcp", shard.read_bytes()).hex()
+    _edit_manifest(saved / "step-2", lambda m: m["tags"].update({"__0_0.distcp": signed}))
+    with pytest.raises(checkpoint.CheckpointError) as info:
+        checkpoint.load(_trainer(), saved, 2)
+    assert str(info.value) == f"{shard}: signed, yet not tensors this build reads (UnpicklingError)"
+
+
+def test_a_file_signed_for_another_step_is_refused(saved: Path) -> None:
+    """A tag covers the file's place too: step 2's index renamed into a step-3 checkpoint does not load."""
+    (saved / "step-2").rename(saved / "step-3")
+    _edit_manifest(saved / "step-3", lambda m: m.update(step=3))
+    with pytest.raises(checkpoint.CheckpointError, match=r"step-3/\.metadata: " + re.escape(NO_MATCH)):
+        checkpoint.load(_trainer(), saved, 3)
 
 
 def test_a_checkpoint_of_another_config_is_refused_naming_the_field(saved: Path) -> None:
@@ -219,11 +283,27 @@ def _in_flight(out: Path, arm: str, rank: int) -> set[str]:
     return {k.removeprefix(prefix) for k in keys if k.startswith(prefix)}
 
 
-def test_the_suite_passes_every_case(run_harness, tmp_path: Path) -> None:
-    """One run of the shipped suite, read for every case (a run costs a minute on 2 cores)."""
+def _modes(root: Path) -> dict[str, str]:
+    """Every folder's and file's mode under ``root`` (itself included), by path relative to it."""
+    places = [root, *root.rglob("*")]
+    return {p.relative_to(root).as_posix(): mode_of(p.stat()) for p in places}
+
+
+def test_the_suite_passes_every_case(run_harness, umask_000: None, tmp_path: Path) -> None:
+    """One run of the shipped suite, read for every case (a run costs a minute on 2 cores). It runs
+    under umask 000, where every folder would be 0777 and every file 0666: the run directory and the
+    checkpoints must be private all the same, or the loading ranks would refuse them."""
     out = tmp_path / "run"
     run = run_harness("run", "resume", "--ranks", 2, "--out", out, timeout=600)
     assert run.returncode == 0, run.stdout + run.stderr
+    assert _modes(out)["."] == "0700"
+    for arm in RESUMED:
+        arm_dir = out / "arms" / arm
+        assert {_modes(out)[f"arms/{arm}"], _modes(out)["arms"]} == {"0700"}
+        modes = _modes(arm_dir / "checkpoint")
+        assert set(modes) > {".", "step-4", "step-4/.metadata", "step-4/harness.json"}, modes
+        assert {m for p, m in modes.items() if (arm_dir / "checkpoint" / p).is_dir()} == {"0700"}, modes
+        assert {m for p, m in modes.items() if (arm_dir / "checkpoint" / p).is_file()} == {"0600"}, modes
     checks = {c["name"]: c for c in run.summary(out)["checks"]}
     for arm, straight in RESUMED.items():
         pair = f"{straight} vs {arm}"
@@ -341,9 +421,10 @@ kind = "ranks-agree"
     [
         ("missing-shard", r"step-1/__0_0\.distcp: missing: the index reads \d+ bytes of tensors from it"),
         ("truncated-shard", r"step-1/__0_0\.distcp: truncated: \d+ bytes, the index reads \d+"),
+        ("garbage-index", r"step-1/\.metadata: " + re.escape(NO_MATCH)),
         ("other-config", r"step-1/harness\.json: config\.seed: saved 43, this arm has 42"),
     ],
-    ids=["missing-shard", "truncated-shard", "other-config"],
+    ids=["missing-shard", "truncated-shard", "garbage-index", "other-config"],
 )
 def test_a_damaged_checkpoint_is_bad_input_naming_the_file(run_harness, tmp_path: Path, damage: str, line: str) -> None:
     (tmp_path / "damaged.toml").write_text(DAMAGED)
@@ -357,6 +438,64 @@ def test_a_damaged_checkpoint_is_bad_input_naming_the_file(run_harness, tmp_path
     assert re.fullmatch(where + line, refused["detail"]), refused["detail"]
     error = next(text for text in run.stderr.splitlines() if text.startswith("error: "))
     assert error.endswith(refused["detail"]) and "refused its input" in error
+
+
+RENAME_EXCHANGE = 2  # renameat2's flag: swap the two names in one step (linux/fs.h)
+AT_FDCWD = -100  # names relative to the working directory (linux/fcntl.h)
+
+
+def _exchange(first: Path, second: Path) -> None:
+    """Swaps two folders in one step, as an attacker would: renameat2 with RENAME_EXCHANGE. Where libc
+    has no renameat2, by three renames through a third name, with a warning (a wider window)."""
+    renameat2 = getattr(ctypes.CDLL(None, use_errno=True), "renameat2", None)
+    if renameat2 is None:
+        warnings.warn("libc has no renameat2: the folders are swapped by three renames", stacklevel=2)
+        aside = first.with_name(f"{first.name}.aside")
+        first.rename(aside)
+        second.rename(first)
+        aside.rename(second)
+        return
+    if renameat2(AT_FDCWD, os.fsencode(first), AT_FDCWD, os.fsencode(second), RENAME_EXCHANGE) != 0:
+        error = ctypes.get_errno()
+        raise OSError(error, os.strerror(error), str(first))
+
+
+class _PlantedIndex:
+    """An index that, when unpickled, leaves ``marker`` (code of the planter's, run in the rank) and
+    returns ``index`` unpickled: the real index, so that the load goes on as if nothing happened."""
+
+    def __init__(self, marker: Path, index: bytes) -> None:
+        self.marker, self.index = marker, index
+
+    def __reduce__(self) -> tuple:
+        return eval, (f"(open({str(self.marker)!r}, 'w').close(), __import__('pickle').loads({self.index!r}))[1]",)
+
+
+def test_a_run_folder_swapped_between_the_check_and_the_read_is_refused_unread(start_harness, tmp_path: Path) -> None:
+    """The race of a run directory whose parent others may write: the loading rank checks the path,
+    then, before it reads, the run folder is swapped (renameat2 RENAME_EXCHANGE) for a copy whose
+    index is a pickle that runs code. The rank waits between the two (checkpoint.RACE_ENV) while this
+    process swaps. The index read is the planted one, but it is checked before it is unpickled:
+    nothing runs, and the load is refused as bad input, naming the file."""
+    (tmp_path / "damaged.toml").write_text(DAMAGED)
+    out, race, marker = tmp_path / "run", tmp_path / "race", tmp_path / "planted-code-ran"
+    race.mkdir()
+    harness = start_harness("run", tmp_path / "damaged.toml", "--out", out, env={checkpoint.RACE_ENV: race})
+    deadline = time.monotonic() + 300
+    while not (race / "checked").exists():
+        assert harness.poll() is None and time.monotonic() < deadline, harness.communicate()
+        time.sleep(0.05)
+    planted = tmp_path / "planted"
+    shutil.copytree(out, planted)
+    index = planted / "arms" / "resumed" / "checkpoint" / "step-1" / ".metadata"
+    index.write_bytes(pickle.dumps(_PlantedIndex(marker, index.read_bytes())))
+    _exchange(out, planted)
+    (race / "go").touch()
+    stdout, stderr = harness.communicate(timeout=300)
+    assert not marker.exists()
+    assert harness.returncode == 2, stdout + stderr
+    error = next(text for text in stderr.splitlines() if text.startswith("error: "))
+    assert error.endswith(f"{out}/arms/resumed/checkpoint/step-1/.metadata: {NO_MATCH}"), error
 
 
 @pytest.mark.parametrize(
@@ -389,14 +528,37 @@ def test_the_resume_check_needs_the_straight_arm_first(tmp_path: Path) -> None:
     )
 
 
-def test_a_checkpoint_others_could_write_is_not_read(saved: Path) -> None:
-    """torch.distributed.checkpoint unpickles its index: one another user could write is refused."""
-    index = saved / "step-2" / ".metadata"
-    index.chmod(0o666)
-    with pytest.raises(
-        checkpoint.CheckpointError, match=r"step-2/\.metadata: owned by uid \d+, mode 666: another user"
-    ):
+def test_a_checkpoint_under_a_folder_others_could_write_is_not_read(saved: Path) -> None:
+    """A folder above the checkpoint that others may write lets them swap the checkpoint for theirs:
+    refused, naming that folder. With the sticky bit they cannot rename what is not theirs: loaded."""
+    saved.chmod(0o777)
+    with pytest.raises(checkpoint.CheckpointError) as info:
         checkpoint.load(_trainer(), saved, 2)
+    assert str(info.value) == (
+        f"{saved}: mode 0777 is writable by others without the sticky bit: another user could swap in a"
+        " checkpoint of theirs: not loaded"
+    )
+    saved.chmod(0o1777)
+    assert checkpoint.load(_trainer(), saved, 2) == 2
+
+
+def test_a_key_that_is_not_the_users_secret_signs_and_checks_no_checkpoint(
+    saved: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Without the user's own key nothing can be signed or verified: refused, naming the key file."""
+    monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path / "config"))
+    key = tmp_path / "config" / "harness" / "trace-cache.key"
+    key.parent.mkdir(parents=True)
+    key.write_text("0" * 64)
+    key.chmod(0o644)
+    why = f"{key}: expected mode 0600 (no access for others), got 0644: no checkpoint can be"
+    trainer = _trainer()
+    with pytest.raises(checkpoint.CheckpointError) as info:
+        checkpoint.save(trainer, 3, tmp_path / "other")
+    assert str(info.value) == f"{why} signed with it"
+    with pytest.raises(checkpoint.CheckpointError) as info:
+        checkpoint.load(trainer, saved, 2)
+    assert str(info.value) == f"{why} checked with it"
 
 
 def _results(resumed_info: dict, straight_losses: list[float], resumed_losses: list[float]) -> dict[str, CheckResult]:

@@ -34,21 +34,37 @@ Layout under a checkpoint folder::
     step-<k>/                   a complete checkpoint, after the arm's step k
         .metadata               torch.distributed.checkpoint's index of every tensor
         __<p>_0.distcp          process p's tensors
-        harness.json            the step, the arm's config, the EP degree and the key count
+        harness.json            the step, the arm's config, the EP degree, the key count and each
+                                other file's tag
     step-<k>.partial/           a save in progress: never loaded, removed by the next save
 
 **Atomic.** Every process writes into ``step-<k>.partial``; once all have (a barrier), process rank
-0 writes ``harness.json`` there and renames the folder to ``step-<k>``. A save killed midway leaves
-a ``.partial`` folder and the previous checkpoint as it was. Only tensors are stored, and
-``harness.json`` is JSON; but torch.distributed.checkpoint unpickles its ``.metadata``, so a
-checkpoint is read only where nobody else could have written it: every file and folder of it owned
-by this user and writable by no one else (the run's own folder), or it is refused.
+0 signs every file there, writes ``harness.json`` and renames the folder to ``step-<k>``. A save
+killed midway leaves a ``.partial`` folder and the previous checkpoint as it was.
+
+**Trusted.** Only tensors are stored, and ``harness.json`` is JSON; but torch.distributed.checkpoint
+unpickles ``.metadata`` (any pickle, which runs code) and every tensor of a ``.distcp`` shard (through
+torch's restricted ``weights_only`` unpickler). So nothing is read that is not proven this user's own
+(:mod:`harness.trust`):
+
+- folders 0700 and files 0600 whatever the umask: the save makes them so;
+- at save, process rank 0 reads each file back once and records its HMAC-SHA256 tag under the user's
+  key (:func:`harness.trust.user_key`), over ``step-<k>/<file>`` and its bytes, in ``harness.json``;
+- at load, every folder from ``/`` down to ``step-<k>`` must be the user's or root's and writable by
+  nobody else unless sticky (OpenSSH's StrictModes, :func:`harness.trust.check_path`): a folder others
+  may write lets them swap the checkpoint, or a folder above it, for their own;
+- and since a path checked is not the file read (a swap between the two, ``renameat2``), each file
+  is read once through a descriptor that follows no link, its tag checked on those bytes, and only
+  those bytes go to torch.distributed.checkpoint (:class:`_SignedReader`): the index is unpickled
+  from them, the tensors loaded from them.
+
+A checkpoint that fails any of these is refused, naming the file and why.
 
 **A partial checkpoint never loads.** :func:`load` checks, before reading a byte of tensor data,
 ``harness.json`` against the arm's config, every shard file the index reads from (there, and as
 long as the index reads), and the saved keys against the trainer's; then it reads through
-torch.distributed.checkpoint, which fails on whatever else is wrong with a shard. Each is a
-:class:`CheckpointError` naming the file and what is missing. An in-flight tensor the trainer
+torch.distributed.checkpoint, each shard checked against its tag as it is read. Each is a
+:class:`CheckpointError` naming the file and what is wrong. An in-flight tensor the trainer
 needs and the index lacks is refused the same way, naming its key.
 
 **Planted faults** (``TrainConfig.checkpoint_fault``, for the harness's ``resume`` suite): the
@@ -61,9 +77,13 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import io
 import json
 import os
+import pickle
+import re
 import shutil
+import time
 import warnings
 from collections.abc import Iterable, Iterator
 from pathlib import Path
@@ -73,11 +93,21 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.filesystem import FileSystem
+from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 
+from harness import trust
 from harness.reference.train import Trainer
+from harness.trust import TrustError
 
-FORMAT = 1
+FORMAT = 2  # 2: harness.json holds each file's tag
 MANIFEST = "harness.json"
+INDEX = ".metadata"  # torch.distributed.checkpoint's index, a pickle
+TAG_HEX = re.compile(r"[0-9a-f]{64}")
+# A test's seam: a folder in which each loading process, between the path check and the first read,
+# makes ``checked`` and waits for ``go`` (up to RACE_WAIT_S), so that a test can swap folders there.
+RACE_ENV = "HARNESS_TEST_CHECKPOINT_RACE"
+RACE_WAIT_S = 120
 PARTIAL = ".partial"
 ADAM_STATE = ("step", "exp_avg", "exp_avg_sq")
 IN_FLIGHT = "in_flight"  # the namespace of a pipelined trainer's work between steps, per logical rank
@@ -146,7 +176,7 @@ def save(trainer: Trainer, step: int, folder: Path) -> Path:
     first = trainer.group.process_rank == 0
     if first:
         shutil.rmtree(partial, ignore_errors=True)  # a save killed earlier
-        partial.mkdir(parents=True)
+        trust.make_private_folders(partial)
     _barrier(trainer)
     tensors = state(trainer) | in_flight(trainer)
     with _one_process_quietly():
@@ -156,7 +186,9 @@ def save(trainer: Trainer, step: int, folder: Path) -> Path:
     if first:
         manifest = {"format": FORMAT, "step": step, "ep": trainer.config.ep, "keys": keys + 1}
         manifest["config"] = _fingerprint(trainer)
+        manifest["tags"] = _sign(partial, step)
         (partial / MANIFEST).write_text(json.dumps(manifest, indent=1, sort_keys=True))
+        (partial / MANIFEST).chmod(0o600)
         _fsync_dir(partial)
         if final.exists():
             shutil.rmtree(final)
@@ -174,7 +206,11 @@ def load(trainer: Trainer, folder: Path, step: int) -> int:
     if not checkpoint.is_dir():
         found = sorted(p.name for p in folder.glob("step-*")) if folder.is_dir() else []
         raise CheckpointError(f"{checkpoint}: no such checkpoint (found: {', '.join(found) or 'none'})")
-    _own(checkpoint)
+    try:
+        trust.check_path(checkpoint)
+    except TrustError as e:
+        raise CheckpointError(f"{e}: another user could swap in a checkpoint of theirs: not loaded") from None
+    _race_window()
     manifest = _manifest(checkpoint)
     expected, saved = _fingerprint(trainer), manifest["config"]
     differing = sorted(k for k in expected.keys() | saved.keys() if expected.get(k) != saved.get(k))
@@ -186,18 +222,15 @@ def load(trainer: Trainer, folder: Path, step: int) -> int:
     tensors = state(trainer)
     if trainer.group.process_rank != 0:
         tensors["rng.torch"] = torch.get_rng_state()  # every process takes process rank 0's stream
-    reader = dcp.FileSystemReader(checkpoint)
-    try:
-        index = reader.read_metadata()
-    except FileNotFoundError:
-        raise CheckpointError(f"{checkpoint / '.metadata'}: missing: not a complete checkpoint") from None
+    reader = _SignedReader(checkpoint, step, manifest["tags"])
+    index = reader.read_metadata()
     _whole_shards(checkpoint, index.storage_data.values())
     stored = index.state_dict_metadata
     missing = sorted(set(tensors) - set(stored))
     if missing:
         more = f" and {len(missing) - 1} more" if len(missing) > 1 else ""
-        raise CheckpointError(f"{checkpoint / '.metadata'}: no tensor {missing[0]}{more}")
-    held = {rank: _Held(checkpoint / ".metadata", f"rank{rank}.{IN_FLIGHT}.") for rank in trainer.replicas}
+        raise CheckpointError(f"{checkpoint / INDEX}: no tensor {missing[0]}{more}")
+    held = {rank: _Held(checkpoint / INDEX, f"rank{rank}.{IN_FLIGHT}.") for rank in trainer.replicas}
     for key, meta in stored.items():  # sized from the index: their count and shapes vary
         for ours in held.values():
             if key.startswith(ours.prefix):
@@ -205,23 +238,103 @@ def load(trainer: Trainer, folder: Path, step: int) -> int:
     try:
         with _one_process_quietly():
             dcp.load(tensors, storage_reader=reader, no_dist=not trainer.group.distributed)
-    except CheckpointException as e:  # a short or missing shard, in torch's words, per process
-        failures = [exc for exc, _ in e.failures.values()]
-        raise CheckpointError(f"{checkpoint}: cannot read its tensors: {_first_line(failures[0])}") from None
+    except CheckpointException as e:  # every process's failures, the same on every process
+        failure = next(exc for exc, _ in e.failures.values())
+        if isinstance(failure, CheckpointError):  # a shard refused or unreadable (_SignedFiles)
+            raise CheckpointError(str(failure)) from None
+        raise CheckpointError(f"{checkpoint}: cannot load its tensors ({type(failure).__name__})") from None
     trainer.load_in_flight(held)
     torch.set_rng_state(tensors["rng.torch"])
     return 0 if trainer.config.checkpoint_fault == "data-position-lost" else manifest["step"]
 
 
-def _own(checkpoint: Path) -> None:
-    """Refuse a checkpoint another user could have written: its index is a pickle, which runs code."""
-    for path in [checkpoint, *checkpoint.iterdir()]:
-        info = path.stat()
-        if info.st_uid != os.getuid() or info.st_mode & 0o022:
-            raise CheckpointError(
-                f"{path}: owned by uid {info.st_uid}, mode {info.st_mode & 0o777:o}: another user could have"
-                " written it, and its index is unpickled when read: not loaded"
-            )
+def _signed_name(step: int, relative: str) -> str:
+    """What a file's tag covers beside its bytes: a file signed for another step or name is refused."""
+    return f"step-{step}/{relative}"
+
+
+def _sign(partial: Path, step: int) -> dict[str, str]:
+    """Each file the processes wrote into ``partial``, made 0600 whatever the umask, and its tag (hex)
+    under the user's key over the bytes read back once through one descriptor."""
+    key = _user_key("signed")
+    tags = {}
+    for path in sorted(partial.iterdir()):
+        path.chmod(0o600)
+        with trust.open_own_file(path) as file:
+            tags[path.name] = trust.tag(key, _signed_name(step, path.name), file.read()).hex()
+    return tags
+
+
+class _SignedFiles(FileSystem):
+    """A checkpoint's files as torch.distributed.checkpoint reads them: each read once, through a
+    descriptor that follows no link, and handed over from memory once its tag is checked."""
+
+    def __init__(self, checkpoint: Path, step: int, tags: dict[str, str]) -> None:
+        super().__init__()
+        self.checkpoint, self.step, self.tags = checkpoint, step, tags
+        self.key = _user_key("checked")
+
+    def verified(self, path: Path) -> bytes:
+        """The bytes of ``path`` (in the checkpoint), once they are found to be what the save signed."""
+        relative = path.relative_to(self.checkpoint).as_posix()
+        if relative not in self.tags:
+            raise CheckpointError(f"{path}: not signed in {MANIFEST}: not loaded")
+        expected = bytes.fromhex(self.tags[relative])
+        try:
+            return trust.verified_payload(path, self.key, _signed_name(self.step, relative), expected)
+        except FileNotFoundError:
+            raise CheckpointError(f"{path}: missing: not a complete checkpoint") from None
+        except TrustError as e:
+            raise CheckpointError(f"{e}: not loaded") from None
+        except OSError as e:
+            raise CheckpointError(f"{path}: unreadable ({e.strerror})") from None
+
+    @contextlib.contextmanager
+    def create_stream(self, path: str | os.PathLike, mode: str) -> Iterator[io.BytesIO]:
+        """A shard to read tensors from: its verified bytes. Whatever fails while they are read is
+        refused naming the shard (torch's own words would advise loading it unchecked)."""
+        path = Path(path)
+        payload = self.verified(path)
+        try:
+            yield io.BytesIO(payload)
+        except Exception as e:
+            raise CheckpointError(f"{path}: signed, yet not tensors this build reads ({type(e).__name__})") from None
+
+
+class _SignedReader(dcp.FileSystemReader):
+    """torch.distributed.checkpoint's reader of a checkpoint folder, reading only verified bytes: the
+    index is read and checked once, here, and unpickled from those bytes however often torch asks."""
+
+    def __init__(self, checkpoint: Path, step: int, tags: dict[str, str]) -> None:
+        super().__init__(checkpoint)
+        self.fs = _SignedFiles(checkpoint, step, tags)
+        self.index = self.fs.verified(checkpoint / INDEX)
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        """The index as torch's own reader returns it, unpickled from the verified bytes."""
+        metadata = pickle.loads(self.index)
+        metadata.storage_meta = metadata.storage_meta or StorageMeta()
+        metadata.storage_meta.load_id = self.load_id
+        return metadata
+
+
+def _user_key(use: str) -> bytes:
+    """The user's key (:func:`harness.trust.user_key`); one that is not the user's secret is a CheckpointError."""
+    try:
+        return trust.user_key()
+    except TrustError as e:
+        raise CheckpointError(f"{e}: no checkpoint can be {use} with it") from None
+
+
+def _race_window() -> None:
+    """The test seam RACE_ENV names: nothing unless a test sets it."""
+    folder = os.environ.get(RACE_ENV)
+    if not folder:
+        return
+    (Path(folder) / "checked").touch()
+    deadline = time.monotonic() + RACE_WAIT_S
+    while not (Path(folder) / "go").exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
 
 
 def _whole_shards(checkpoint: Path, extents: Iterable[Any]) -> None:
@@ -253,6 +366,9 @@ def _manifest(checkpoint: Path) -> dict:
             raise CheckpointError(f"{path}: {key}: expected {kind.__name__}, got {manifest.get(key)!r}")
     if manifest["format"] != FORMAT:
         raise CheckpointError(f"{path}: format: {manifest['format']}, this harness reads {FORMAT}")
+    tags = manifest.get("tags")
+    if not isinstance(tags, dict) or not all(isinstance(t, str) and TAG_HEX.fullmatch(t) for t in tags.values()):
+        raise CheckpointError(f"{path}: tags: expected each file's tag, 64 hex digits, got {tags!r:.80}")
     return manifest
 
 
@@ -284,8 +400,3 @@ def _fsync_dir(path: Path) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
-
-
-def _first_line(e: BaseException) -> str:
-    text = str(e).strip().splitlines()
-    return f"{type(e).__name__}: {text[0] if text else ''}"

@@ -94,9 +94,9 @@ class BadRecord(Exception):
 
 
 class CheckpointRefused(Exception):
-    """A checkpoint an arm must not load (partial, damaged, or of another config); the message is one
-    line naming the file and what is missing. Bad input, not a regression: a rank that raises it
-    ends the run with exit 2 (triage.py)."""
+    """A checkpoint an arm must not load (partial, damaged, of another config, not provably the user's)
+    or cannot sign; the message is one line naming the file and what is wrong. Bad input, not a
+    regression: a rank that raises it ends the run with exit 2 (triage.py)."""
 
 
 class OpsNotRecordable(Exception):

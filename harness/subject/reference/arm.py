@@ -100,10 +100,14 @@ class ReferenceArm:
     def save_checkpoint(self, folder: Path, step: int) -> None:
         """The whole state after the arm's step ``step`` (harness.reference.checkpoint): a versioned
         arm's pipeline and a PEC arm's pending gradients in flight included. Imported here:
-        torch.distributed.checkpoint costs every rank a second to import."""
+        torch.distributed.checkpoint costs every rank a second to import. A checkpoint that cannot be
+        signed (the user's key is not their secret) is :class:`CheckpointRefused`, with its one line."""
         from harness.reference import checkpoint
 
-        checkpoint.save(self.trainer, step, folder)
+        try:
+            checkpoint.save(self.trainer, step, folder)
+        except checkpoint.CheckpointError as e:
+            raise CheckpointRefused(str(e)) from None
 
     def load_checkpoint(self, folder: Path, step: int) -> None:
         """Restores the state saved after the arm's step ``step``; training goes on from the data
