@@ -45,7 +45,7 @@ from harness.op_divergence import Comparison, compare_ops, describe, measured
 from harness.op_divergence.files import read_captured, read_ops
 from harness.op_divergence.record import OpRecord
 from harness.phases import read_rank_phases
-from harness.prepare import PreparedRun
+from harness.prepare import PreparedRun, rank_env
 from harness.records import RecordError, RunRecords, read_jsonl
 from harness.rundir import FIRST_OP_DIR, RunDirError, arm_files, fresh_dir
 from harness.specs import DebugSpec, SuiteSpec
@@ -208,7 +208,7 @@ class _Rerun:
         groups = [dataclasses.replace(g, record_ops=True, capture_ops=capture) for g in plan_launches(suite)]
         launches = [dataclasses.asdict(g) for g in groups]
         dataclasses.replace(self.run.manifest, suite=suite.to_dict(), launches=launches).write(root)
-        env = self.run.pin.env if self.run.pin else {}
+        env = rank_env(self.run)
         context = LaunchContext(root, self.deadline, self.budget_s, env, subject_source=self.run.subject.source)
         for group in groups:
             self._launched(self.launch(group, context), group, name, root)

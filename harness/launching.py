@@ -18,7 +18,7 @@ from typing import TextIO
 from harness.cancel import Cancelled
 from harness.launchers import GroupLauncher, LaunchContext, LaunchGroup, LaunchResult
 from harness.phases import cache_notes, read_rank_phases
-from harness.prepare import PreparedRun
+from harness.prepare import PreparedRun, rank_env
 from harness.progress import BlockProgress, Progress
 from harness.records import read_jsonl
 from harness.rundir import THROUGHPUT, arm_files
@@ -45,7 +45,7 @@ def launch_run(run: PreparedRun, launch: GroupLauncher, out: TextIO, err: TextIO
     """Runs the groups of ``run`` with ``launch`` until the first failure; prints its error once the
     live progress is closed, then what the trace cache did where it went wrong."""
     launched, options = Launched(), run.options
-    env = run.pin.env if run.pin else {}
+    env = rank_env(run)
     try:
         with contextlib.closing(_progress(run, out)) as progress:
             deadline = time.monotonic() + options.timeout_s

@@ -32,8 +32,10 @@ from harness.shipped import shipped_dir
 from harness.specs import CheckSpec, SuiteSpec
 from harness.subject import Subject, subject_of, usable_trace_cache
 from harness.throughput import plan_throughput_launches
+from harness.trust import TrustError, check_path, make_private_folders
 
 TRACE_ENV = "HARNESS_TRACE_CACHE"
+INDUCTOR_ENV = "TORCHINDUCTOR_CACHE_DIR"
 # The shipped goldens; HARNESS_GOLDEN_DIR moves the default golden root (a CI cache, a test's empty directory).
 GOLDEN_DIR = Path(os.environ.get("HARNESS_GOLDEN_DIR", shipped_dir("golden")))
 log = logging.getLogger("harness")
@@ -129,7 +131,7 @@ def prepare_run(
     if suite.throughput:
         golden = dataclasses.replace(golden, note=None)  # nothing to say: step times have no golden
     checks = planned_checks(suite, golden, groups)
-    run_dir = make_run_dir(suite.name, options.out)
+    run_dir = make_run_dir(suite.name, options.out, _unpickled(suite, local_devices))
     with harness_log(run_dir), Cancellation():
         subject = subject_of(suite)
         trace_cache, cache_note = usable_trace_cache(options.trace_cache, subject)
@@ -160,6 +162,38 @@ def prepare_run(
     phases.add("start", harness.IMPORTED_AT, began)  # the interpreter's imports, the command line, the suite
     phases.add("prepare", began, time.time())
     return PreparedRun(run_dir, suite, options, key, pin, golden, groups, manifest, phases, subject, checks)
+
+
+def rank_env(run: PreparedRun) -> dict[str, str]:
+    """What the environment of every rank of ``run`` gains: the CPU kernel pin, and an Inductor cache
+    that is the user's alone."""
+    return {**(run.pin.env if run.pin else {}), **inductor_cache(run.run_dir)}
+
+
+def inductor_cache(run_dir: Path) -> dict[str, str]:
+    """Inductor unpickles its cache entries, which nobody signs, and its default folder
+    (/tmp/torchinductor_<user>) is one another user can make first. So ranks keep theirs in the user's
+    cache folder, made private and checked along its whole path, or else fresh in the run directory.
+    A TORCHINDUCTOR_CACHE_DIR the user set is theirs to vouch for."""
+    if INDUCTOR_ENV in os.environ:
+        return {}
+    folder = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "harness" / "inductor"
+    try:
+        make_private_folders(folder)
+        check_path(folder)
+    except (OSError, TrustError) as e:
+        log.info("Inductor cache: %s: not used; one in the run directory instead", e)
+        folder = run_dir / "inductor"
+    return {INDUCTOR_ENV: str(folder)}
+
+
+def _unpickled(suite: SuiteSpec, local_devices: bool) -> str | None:
+    """What of a run is unpickled from its run directory, if anything: see make_run_dir."""
+    if not local_devices:
+        return "the Slurm jobs' submissions, which the nodes unpickle"
+    if any(arm.resume_at for arm in suite.arms.values()):
+        return "the checkpoints its resumed arms unpickle"
+    return None
 
 
 def read_prepared(run_dir: Path, suite: SuiteSpec, options: RunOptions) -> PreparedRun:

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
 
-from harness.trust import make_private_folders
+from harness.trust import TrustError, check_path, make_private_folders
 
 MANIFEST = "manifest.json"
 SUMMARY = "summary.json"
@@ -132,10 +132,23 @@ def fresh_dir(path: Path, what: str) -> Path:
     return path
 
 
-def make_run_dir(suite: str, out: Path | None) -> Path:
-    """``--out DIR`` (new or empty), else ./reports/<suite>/<UTC timestamp>[-n], never reused; private."""
-    if out is not None:
-        return fresh_dir(out, "run directory")
+def make_run_dir(suite: str, out: Path | None, unpickled: str | None = None) -> Path:
+    """``--out DIR`` (new or empty), else ./reports/<suite>/<UTC timestamp>[-n], never reused; private.
+    ``unpickled``: what of the run is unpickled from it (a resumed arm's checkpoint, a Slurm job's
+    submission), when something is: then a run directory under a folder another user may write, from
+    where they could swap it for theirs, is refused (RunDirError) before anything runs. Records are
+    JSON: a run that unpickles nothing may live in a shared project folder."""
+    path = fresh_dir(out, "run directory") if out is not None else _timestamped(suite)
+    if unpickled:
+        try:
+            check_path(path)
+        except TrustError as e:
+            raise RunDirError(f"{e}: another user could swap {unpickled}; choose a private --out DIR") from None
+    return path
+
+
+def _timestamped(suite: str) -> Path:
+    """./reports/<suite>/<UTC timestamp>[-n], made private."""
     stamp = datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%SZ")
     base = REPORTS_DIR.absolute() / suite
     try:

@@ -19,7 +19,7 @@ from harness.launchers.slurm.jobs import JOB_DIR, JOBS_FILE, SlurmJob, read_jobs
 from harness.launchers.slurm.profile import SlurmProfile, check_gpus, job_shape
 from harness.launchers.slurm.submit import SlurmError, cancel, require_slurm, submit_jobs
 from harness.launchers.slurm.watch import JobWatch
-from harness.prepare import PreparedRun, RunOptions, UsageError, plan_groups, prepare_run, read_prepared
+from harness.prepare import PreparedRun, RunOptions, UsageError, plan_groups, prepare_run, rank_env, read_prepared
 from harness.run import judge_run
 from harness.rundir import MANIFEST
 from harness.specs import SuiteSpec
@@ -48,7 +48,7 @@ def submit_suite(
         check_gpus(profile, options.device, job_shape(group, nodes))
     run = prepare_run(suite, options, out, local_devices=False)
     try:
-        jobs = submit_jobs(run.run_dir, suite.name, run.groups, profile, nodes, run.pin.env if run.pin else {}, source)
+        jobs = submit_jobs(run.run_dir, suite.name, run.groups, profile, nodes, rank_env(run), source)
     except SlurmError as e:
         return judge_run(run, _refused(str(e)), out, err)
     for job in jobs:

@@ -7,7 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from harness.rundir import fresh_dir, make_run_dir
+from harness.prepare import INDUCTOR_ENV, inductor_cache
+from harness.rundir import RunDirError, fresh_dir, make_run_dir
 from harness.trust import mode_of
 
 
@@ -26,3 +27,51 @@ def test_an_empty_out_dir_that_others_could_write_is_made_private(umask_000: Non
     out.mkdir(mode=0o777)
     assert fresh_dir(out, "run directory") == out
     assert (mode_of(out.stat()), mode_of((out / "logs").stat())) == ("0700", "0700")
+
+
+def test_a_run_that_unpickles_from_its_directory_is_refused_under_a_folder_others_may_write(tmp_path: Path) -> None:
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    shared.chmod(0o777)
+    with pytest.raises(RunDirError) as refused:
+        make_run_dir("resume", shared / "run", unpickled="the checkpoints")
+    assert str(refused.value) == (
+        f"{shared}: mode 0777 is writable by others without the sticky bit: another user could swap"
+        " the checkpoints; choose a private --out DIR"
+    )
+    assert make_run_dir("parity", shared / "plain") == shared / "plain"  # JSON records only: allowed
+    shared.chmod(0o1777)  # sticky, as /tmp: nobody renames what is not theirs
+    assert make_run_dir("resume", shared / "sticky", unpickled="the checkpoints") == shared / "sticky"
+
+
+def test_the_resume_suite_is_refused_before_launching_under_a_shared_folder(run_harness, tmp_path: Path) -> None:
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    shared.chmod(0o777)
+    run = run_harness("run", "resume", "--out", shared / "run")
+    assert run.returncode == 2, run.stdout + run.stderr
+    assert run.stderr.strip().splitlines() == [
+        f"error: {shared}: mode 0777 is writable by others without the sticky bit: another user could swap the"
+        " checkpoints its resumed arms unpickle; choose a private --out DIR"
+    ]
+    assert not (shared / "run" / "arms").exists()
+
+
+@pytest.mark.parametrize("cache_home", ["private", "shared"])
+def test_ranks_keep_theirinductor_cache_where_only_the_user_can_write(
+    cache_home: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Inductor unpickles its cache entries: the folder must be the user's alone, or a fresh one in the run."""
+    home = tmp_path / cache_home
+    home.mkdir(mode=0o777 if cache_home == "shared" else 0o700)
+    home.chmod(0o777 if cache_home == "shared" else 0o700)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(home))
+    monkeypatch.delenv(INDUCTOR_ENV, raising=False)
+    run_dir = make_run_dir("parity-inductor", tmp_path / "run")
+    folder = Path(inductor_cache(run_dir)[INDUCTOR_ENV])
+    expected = home / "harness" / "inductor" if cache_home == "private" else run_dir / "inductor"
+    assert folder == expected
+    if cache_home == "private":
+        assert mode_of(folder.stat()) == "0700"
+    monkeypatch.setenv(INDUCTOR_ENV, str(tmp_path / "mine"))
+    assert inductor_cache(run_dir) == {}  # the user's own choice
