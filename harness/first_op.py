@@ -38,7 +38,6 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from harness.cancel import Cancelled
-from harness.compare import CheckResult
 from harness.judge import Judgement
 from harness.launchers import GroupLauncher, LaunchContext, LaunchGroup, LaunchResult, plan_launches
 from harness.op_divergence import Comparison, compare_ops, describe, measured
@@ -47,6 +46,7 @@ from harness.op_divergence.record import OpRecord
 from harness.phases import read_rank_phases
 from harness.prepare import PreparedRun
 from harness.records import RecordError, RunRecords, read_jsonl
+from harness.results import CheckResult
 from harness.rundir import FIRST_OP_DIR, RunDirError, arm_files, fresh_dir
 from harness.specs import DebugSpec, SuiteSpec
 

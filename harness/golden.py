@@ -20,9 +20,10 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import pandas as pd
 
-from harness.compare import CheckResult, Exact, compare_series, format_steps, tier_from_spec
+from harness.compare import Exact, compare_series, format_steps, tier_from_spec
 from harness.environment import FINGERPRINT_KEYS, split_env_key
 from harness.files import remove_stale_temps, write_json_atomic
+from harness.results import CheckResult
 from harness.shipped import SOURCE_ROOT, in_checkout
 
 if TYPE_CHECKING:

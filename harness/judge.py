@@ -18,16 +18,15 @@ from dataclasses import dataclass
 from harness.cancel import Cancelled
 from harness.checks import run_check
 from harness.checks.golden import drift_line
-from harness.compare import CheckResult
 from harness.environment import CpuPin
 from harness.golden import rebless_command, update_golden
 from harness.launchers import LaunchGroup, LaunchResult
 from harness.launching import Launched
 from harness.prepare import PreparedRun
 from harness.records import ArmRecords, RunRecords
+from harness.results import BAD_INPUT, DRIFT, REGRESSION, CheckResult
 from harness.specs import CheckSpec, SuiteSpec
-from harness.triage import BAD_INPUT, REGRESSION
-from harness.verdict import DRIFT, EXIT_PASS, apply_expectations, conclude, mark_not_evaluated, run_label, unrun_arms
+from harness.verdict import EXIT_PASS, apply_expectations, conclude, mark_not_evaluated, run_label, unrun_arms
 
 log = logging.getLogger("harness")
 

@@ -19,7 +19,6 @@ from typing import Any, TextIO
 import pandas as pd
 
 from harness.cancel import Cancelled
-from harness.compare import CheckResult
 from harness.files import write_json_atomic
 from harness.golden import Golden, GoldenError, load_golden
 from harness.judge import Judgement
@@ -31,6 +30,7 @@ from harness.prepare import PreparedRun, UsageError
 from harness.records import RecordError, RunRecords, read_metrics
 from harness.report import format_verdict_table, read_throughput, write_html, write_junit
 from harness.report.checks import status_counts
+from harness.results import CheckResult
 from harness.rundir import JUNIT, REPORT, SUMMARY, arm_files
 from harness.verdict import EXIT_FAIL, EXIT_INFRA, EXIT_PASS, cancelled_check
 
