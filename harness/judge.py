@@ -20,8 +20,9 @@ from harness.checks import run_check
 from harness.checks.golden import drift_line
 from harness.environment import CpuPin
 from harness.golden import rebless_command, update_golden
-from harness.launchers import LaunchGroup, LaunchResult
+from harness.launchers import LaunchResult
 from harness.launching import Launched
+from harness.plan import LaunchGroup
 from harness.prepare import PreparedRun
 from harness.records import ArmRecords, RunRecords
 from harness.results import BAD_INPUT, DRIFT, REGRESSION, CheckResult

@@ -46,7 +46,8 @@ from harness.results import (
 from harness.specs import SuiteSpec
 
 if TYPE_CHECKING:  # the reports read verdicts too, without the launcher's imports
-    from harness.launchers import LaunchGroup, LaunchResult
+    from harness.launchers import LaunchResult
+    from harness.plan import LaunchGroup
 
 EXIT_PASS, EXIT_FAIL, EXIT_USAGE, EXIT_INFRA, EXIT_INCONCLUSIVE = 0, 1, 2, 3, 4
 

@@ -19,7 +19,7 @@ import torch.distributed.checkpoint as dcp
 from suite_files import suite_error, suite_from
 
 from harness.checks.resume import run as judge_resume
-from harness.launchers import plan_launches
+from harness.plan import plan_launches
 from harness.records import ArmRecords, read_jsonl
 from harness.reference import checkpoint
 from harness.reference.pec import PECConfig, PECTrainer

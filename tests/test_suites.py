@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from harness.golden import config_differences, golden_config
-from harness.launchers import plan_launches
+from harness.plan import plan_launches
 from harness.suites import SuiteError, list_suites, load_suite
 
 GOOD = """

@@ -18,8 +18,9 @@ from pathlib import Path
 
 from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
 
-from harness.launchers import LaunchContext, LaunchGroup, LaunchResult, RankFailure
+from harness.launchers import LaunchContext, LaunchResult, RankFailure
 from harness.launchers.deadline import StackDumps
+from harness.plan import LaunchGroup
 from harness.results import BAD_INPUT
 from harness.triage import INFRASTRUCTURE, Verdict, classify, exception_line
 from harness.worker import release_error_room
