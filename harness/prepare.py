@@ -24,7 +24,7 @@ from harness.cancel import Cancellation
 from harness.checks.golden import golden_check
 from harness.checks.throughput import gate_check
 from harness.environment import CpuPin, backend_for, cpu_pin, device_class, fingerprint, run_env_key, versions
-from harness.golden import GoldenPlan, golden_config, plan_golden
+from harness.golden_plan import GoldenPlan, golden_config, plan_golden
 from harness.manifest import Manifest, ManifestError
 from harness.phases import PhaseLog
 from harness.plan import LaunchGroup, plan_groups
