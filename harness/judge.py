@@ -64,17 +64,19 @@ def judge(run: PreparedRun, launched: Launched, records: RunRecords) -> Judgemen
         log.exception("internal error while judging the suite")
         checks = [CheckResult("harness", "internal-error", "error", f"internal error: {type(e).__name__}: {e}")]
     checks, verdict, exit_code = conclude(checks, cancelled, launched.elapsed_s())
-    news = run.golden.outcome(checks)
     label = run_label(checks, verdict)
+    news = run.golden.outcome(checks)
     outcome = news.splitlines()[-1] if news else None
     return Judgement(checks, verdict, exit_code, outcome, news, label, _line(run, checks, label))
 
 
 def _line(run: PreparedRun, checks: list[CheckResult], label: str | None) -> str | None:
     """A failed run's last console line: drift names what changed and the command that re-records the golden."""
-    if label == DRIFT:
-        return drift_line(checks, rebless_command(run.manifest.command, run.suite))
-    return regression_line(checks) if label else None
+    if label is None:
+        return None
+    if label != DRIFT:
+        return regression_line(checks)
+    return drift_line(checks, rebless_command(run.manifest.command, run.suite))
 
 
 def regression_line(checks: list[CheckResult]) -> str:

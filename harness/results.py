@@ -54,9 +54,3 @@ def _plain(obj: Any) -> Any:
     if isinstance(obj, np.generic):
         return obj.item()
     return obj
-
-
-def is_not_evaluated(check: CheckResult) -> bool:
-    """Whether a check judged an arm that never ran (report/checks.py reads the same of a
-    summary.json check)."""
-    return bool(check.extra.get(NOT_EVALUATED))

@@ -59,7 +59,7 @@ def stop_reason(spec: ThroughputSpec, rows: list[dict]) -> str | None:
     if last is None or last["position"] != len(BLOCK) - 1 or last["series"] != ("control" if spec.control else "main"):
         return None
     roles, times, _ = whole_blocks(rows, "main")
-    blocks = len(roles) // len(BLOCK)
+    blocks, seconds = len(roles) // len(BLOCK), measuring_seconds(rows)
     if not spec.adaptive:
         return f"the {blocks} blocks of --blocks {spec.blocks}" if blocks >= spec.planned_blocks else None
     if blocks >= 2:
@@ -68,7 +68,6 @@ def stop_reason(spec: ThroughputSpec, rows: list[dict]) -> str | None:
             return f"the interval cleared the threshold after {blocks} blocks"
     if blocks >= spec.max_blocks:
         return f"--max-blocks {spec.max_blocks} reached"
-    seconds = measuring_seconds(rows)
     if seconds is not None and seconds >= spec.budget_s and blocks >= 2:  # 2: the fewest the gate judges
         return f"--budget-s {spec.budget_s:g} spent ({seconds:.0f} s, {blocks} blocks)"
     return None

@@ -41,7 +41,6 @@ from harness.results import (
     NOT_EVALUATED,
     REGRESSION,
     CheckResult,
-    is_not_evaluated,
 )
 from harness.specs import SuiteSpec
 
@@ -50,6 +49,12 @@ if TYPE_CHECKING:  # the reports read verdicts too, without the launcher's impor
     from harness.plan import LaunchGroup
 
 EXIT_PASS, EXIT_FAIL, EXIT_USAGE, EXIT_INFRA, EXIT_INCONCLUSIVE = 0, 1, 2, 3, 4
+
+
+def is_not_evaluated(check: CheckResult) -> bool:
+    """Whether a check judged an arm that never ran (report/checks.py reads the same of a
+    summary.json check)."""
+    return bool(check.extra.get(NOT_EVALUATED))
 
 
 def verdict_of(checks: list[CheckResult]) -> tuple[str, int]:
