@@ -28,7 +28,8 @@ from harness.ci import run_gate
 from harness.environment import CPU_ISAS, cpu_pin, cuda_preflight, describe_environment
 from harness.first_op import MODE_ENV as FIRST_OP_ENV
 from harness.first_op import MODES as FIRST_OP_MODES
-from harness.golden import GOLDEN_MODES, GoldenError
+from harness.golden import GoldenError
+from harness.golden_plan import GOLDEN_MODES
 from harness.golden_status import golden_inventory, golden_table, status_lines, write_readme_table
 from harness.launchers.slurm.profile import load_profile
 from harness.loading import LoadTimeout, load_within

@@ -1,4 +1,4 @@
-"""Comparison tiers for per-step metric trajectories, and the CheckResult every check returns.
+"""Comparison tiers for per-step metric trajectories, judged as a CheckResult (results.py).
 
 Pairwise comparison from a shared seed is the durable check (torchtitan's loss_compare); the tier
 says how strict it is. Exact, Ulp and Close judge every step on its own. Band judges the whole
@@ -11,45 +11,16 @@ from __future__ import annotations
 import dataclasses
 import math
 from abc import ABC, abstractmethod
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, ClassVar, Union
 
 import numpy as np
 import pandas as pd
 
+from harness.results import CheckResult
+
 # Keys a suite's check table may carry besides the tier's own fields.
 NON_TIER_KEYS = frozenset({"kind", "metrics", "arms", "name"})
-
-
-@dataclass
-class CheckResult:
-    """The outcome of one check, as summary.json, the reports and the CI exit code see it."""
-
-    name: str
-    kind: str
-    status: str  # pass | fail | error | skip | inconclusive (a gate whose interval straddles its threshold)
-    detail: str
-    first_divergent_step: int | None = None
-    values: dict | None = None  # both values at first_divergent_step, keyed by arm label
-    max_abs_diff: float | None = None
-    max_rel_diff: float | None = None
-    extra: dict = field(default_factory=dict)
-    arms: list[str] = field(default_factory=list)  # the arms it judges; the report groups checks by them
-    label: str | None = None  # what a failure means: "drift" or "regression" (verdict.py); None unless it failed
-
-    def to_dict(self) -> dict:
-        """JSON-ready: numpy scalars become Python ones; floats are kept unrounded."""
-        return _plain(dataclasses.asdict(self))
-
-
-def _plain(obj: Any) -> Any:
-    if isinstance(obj, dict):
-        return {str(k): _plain(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return [_plain(v) for v in obj]
-    if isinstance(obj, np.generic):
-        return obj.item()
-    return obj
 
 
 @dataclass(frozen=True)

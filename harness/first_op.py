@@ -38,15 +38,16 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from harness.cancel import Cancelled
-from harness.compare import CheckResult
 from harness.judge import Judgement
-from harness.launchers import GroupLauncher, LaunchContext, LaunchGroup, LaunchResult, plan_launches
+from harness.launchers import GroupLauncher, LaunchContext, LaunchResult
 from harness.op_divergence import Comparison, compare_ops, describe, measured
 from harness.op_divergence.files import read_captured, read_ops
 from harness.op_divergence.record import OpRecord
 from harness.phases import read_rank_phases
+from harness.plan import LaunchGroup, plan_launches
 from harness.prepare import PreparedRun, rank_env
 from harness.records import RecordError, RunRecords, read_jsonl
+from harness.results import CheckResult
 from harness.rundir import FIRST_OP_DIR, RunDirError, arm_files, fresh_dir
 from harness.specs import DebugSpec, SuiteSpec
 
@@ -206,8 +207,7 @@ class _Rerun:
             raise NotLocated("failed", str(e)) from None
         suite = _rerun_suite(self.run.suite, self.arms, steps)
         groups = [dataclasses.replace(g, record_ops=True, capture_ops=capture) for g in plan_launches(suite)]
-        launches = [dataclasses.asdict(g) for g in groups]
-        dataclasses.replace(self.run.manifest, suite=suite.to_dict(), launches=launches).write(root)
+        dataclasses.replace(self.run.manifest, suite=suite.to_dict(), launches=groups).write(root)
         env = rank_env(self.run)
         context = LaunchContext(root, self.deadline, self.budget_s, env, subject_source=self.run.subject.source)
         for group in groups:

@@ -5,8 +5,9 @@ regression, anything else infrastructure: triage.py), the records themselves (un
 or off the pinned kernel ISA), then every check through its family (harness/checks/): the suite's
 [[checks]] and the golden's, which no suite lists; a throughput run has its ABBA gate instead.
 Checks of arms that never ran are not evaluated; a negative suite's expected failures are marked
-as such (verdict.py). Then the verdict, the exit code, a failed run's label (drift or regression)
-and, for ``--golden update`` of a run that passed, the new golden.
+as such (verdict.py). Then the verdict, the exit code and a failed run's label (drift or
+regression). Judging writes nothing: the new golden of ``--golden update`` is written with the
+run's other outputs (outputs.py).
 """
 
 from __future__ import annotations
@@ -18,16 +19,16 @@ from dataclasses import dataclass
 from harness.cancel import Cancelled
 from harness.checks import run_check
 from harness.checks.golden import drift_line
-from harness.compare import CheckResult
 from harness.environment import CpuPin
-from harness.golden import rebless_command, update_golden
-from harness.launchers import LaunchGroup, LaunchResult
+from harness.golden_plan import rebless_command
+from harness.launchers import LaunchResult
 from harness.launching import Launched
+from harness.plan import LaunchGroup
 from harness.prepare import PreparedRun
 from harness.records import ArmRecords, RunRecords
+from harness.results import BAD_INPUT, DRIFT, REGRESSION, CheckResult
 from harness.specs import CheckSpec, SuiteSpec
-from harness.triage import BAD_INPUT, REGRESSION
-from harness.verdict import DRIFT, EXIT_PASS, apply_expectations, conclude, mark_not_evaluated, run_label, unrun_arms
+from harness.verdict import apply_expectations, conclude, mark_not_evaluated, run_label, unrun_arms
 
 log = logging.getLogger("harness")
 
@@ -35,7 +36,8 @@ log = logging.getLogger("harness")
 @dataclass(frozen=True)
 class Judgement:
     """The run's checks, its verdict and exit code, and what became of its golden: the line
-    summary.json keeps (``golden_outcome``) and what the console prints after the verdict. A failed
+    summary.json keeps (``golden_outcome``) and what the console prints after the verdict (an
+    update's, once outputs.py has written it). A failed
     run's label, drift or regression, and its line, the console's last (None unless it failed)."""
 
     checks: list[CheckResult]
@@ -48,9 +50,9 @@ class Judgement:
 
 
 def judge(run: PreparedRun, launched: Launched, records: RunRecords) -> Judgement:
-    """The checks of what ``launched`` left, the verdict, and the golden update where one is asked
-    for and the run passed. A signal while judging cancels the run (its checks are then unknown);
-    an error of the harness is one internal-error check."""
+    """The checks of what ``launched`` left, the verdict, and how the golden compared. A signal
+    while judging cancels the run (its checks are then unknown); an error of the harness is one
+    internal-error check. Nothing is written here: a ``--golden update`` is the outputs' (outputs.py)."""
     cancelled, checks = launched.cancelled, []
     try:
         if cancelled is None:
@@ -62,27 +64,19 @@ def judge(run: PreparedRun, launched: Launched, records: RunRecords) -> Judgemen
         log.exception("internal error while judging the suite")
         checks = [CheckResult("harness", "internal-error", "error", f"internal error: {type(e).__name__}: {e}")]
     checks, verdict, exit_code = conclude(checks, cancelled, launched.elapsed_s())
-    golden = run.golden
-    news = golden.outcome(checks)
-    if golden.mode == "update":
-        news = f"not updating {golden.shown(golden.path)}: the run did not pass"
-        if exit_code == EXIT_PASS:
-            metrics = {arm: rec.metrics for arm, rec in records.items() if rec.steps_done()}
-            try:
-                news = update_golden(golden, run.suite, run.manifest, metrics)
-            except Cancelled as c:  # the golden is replaced atomically: the old one stays
-                checks, verdict, exit_code = conclude(checks, c, launched.elapsed_s())
-                news = f"not updating {golden.shown(golden.path)}: {c}"
     label = run_label(checks, verdict)
+    news = run.golden.outcome(checks)
     outcome = news.splitlines()[-1] if news else None
     return Judgement(checks, verdict, exit_code, outcome, news, label, _line(run, checks, label))
 
 
 def _line(run: PreparedRun, checks: list[CheckResult], label: str | None) -> str | None:
     """A failed run's last console line: drift names what changed and the command that re-records the golden."""
-    if label == DRIFT:
-        return drift_line(checks, rebless_command(run.manifest.command, run.suite))
-    return regression_line(checks) if label else None
+    if label is None:
+        return None
+    if label != DRIFT:
+        return regression_line(checks)
+    return drift_line(checks, rebless_command(run.manifest.command, run.suite))
 
 
 def regression_line(checks: list[CheckResult]) -> str:

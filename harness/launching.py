@@ -16,8 +16,9 @@ from dataclasses import dataclass, field
 from typing import TextIO
 
 from harness.cancel import Cancelled
-from harness.launchers import GroupLauncher, LaunchContext, LaunchGroup, LaunchResult
+from harness.launchers import GroupLauncher, LaunchContext, LaunchResult
 from harness.phases import cache_notes, read_rank_phases
+from harness.plan import LaunchGroup
 from harness.prepare import PreparedRun, rank_env
 from harness.progress import BlockProgress, Progress
 from harness.records import read_jsonl

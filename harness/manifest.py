@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from harness.files import write_json_atomic
+from harness.plan import LaunchGroup
 from harness.rundir import MANIFEST
 from harness.specs import SuiteSpec
 
@@ -28,7 +29,7 @@ class ManifestError(Exception):
 @dataclass(frozen=True)
 class Manifest:
     """One run's request: the command, the resolved suite, the environment it runs in, its launch
-    groups (``harness.launchers.LaunchGroup`` as data), the golden plan with absolute paths, the
+    groups (harness/plan.py), the golden plan with absolute paths, the
     time limit and the trace cache the ranks may use."""
 
     command: list[str]
@@ -43,7 +44,7 @@ class Manifest:
     seed: list[int]
     env_key: str
     golden_config: dict[str, Any]
-    launches: list[dict[str, Any]]
+    launches: list[LaunchGroup]
     golden: dict[str, Any]
     timeout_s: float
     trace_cache: str | None
@@ -53,9 +54,9 @@ class Manifest:
         """The suite, typed again."""
         return SuiteSpec.from_dict(self.suite)
 
-    def launch(self, group: str) -> dict[str, Any]:
-        """The launch group named ``group``, as recorded."""
-        return next(g for g in self.launches if g["name"] == group)
+    def launch(self, group: str) -> LaunchGroup:
+        """The launch group named ``group``."""
+        return next(g for g in self.launches if g.name == group)
 
     def to_json(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -82,4 +83,8 @@ class Manifest:
             raise ManifestError(f"{path}: missing {', '.join(missing)}")
         if unknown:
             raise ManifestError(f"{path}: unknown {', '.join(unknown)}")
-        return cls(**raw)
+        try:
+            launches = [LaunchGroup.from_dict(g) for g in raw["launches"]]
+        except (TypeError, KeyError, AttributeError) as e:
+            raise ManifestError(f"{path}: launches: not a list of launch groups: {e}") from None
+        return cls(**{**raw, "launches": launches})

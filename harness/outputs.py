@@ -1,5 +1,6 @@
-"""Writing a judged run: ``summary.json``, ``junit.xml``, then ``report.html``, and the console's
-verdict (:func:`write_outputs`); and ``harness report``, which renders them again (:func:`rerender`).
+"""Writing a judged run, the only place that writes its results: the golden of ``--golden update``,
+``summary.json``, ``junit.xml``, then ``report.html``, and the console's verdict
+(:func:`write_outputs`); and ``harness report``, which renders them again (:func:`rerender`).
 
 ``summary.json`` is one typed value, :class:`Summary`, with a schema version and a JSON Schema
 (``docs/schema/summary.schema.json``) for readers without the harness.
@@ -19,9 +20,9 @@ from typing import Any, TextIO
 import pandas as pd
 
 from harness.cancel import Cancelled
-from harness.compare import CheckResult
 from harness.files import write_json_atomic
 from harness.golden import Golden, GoldenError, load_golden
+from harness.golden_plan import update_golden
 from harness.judge import Judgement
 from harness.launchers import LaunchResult
 from harness.launching import Launched
@@ -31,8 +32,9 @@ from harness.prepare import PreparedRun, UsageError
 from harness.records import RecordError, RunRecords, read_metrics
 from harness.report import format_verdict_table, read_throughput, write_html, write_junit
 from harness.report.checks import status_counts
+from harness.results import CheckResult
 from harness.rundir import JUNIT, REPORT, SUMMARY, arm_files
-from harness.verdict import EXIT_FAIL, EXIT_INFRA, EXIT_PASS, cancelled_check
+from harness.verdict import EXIT_FAIL, EXIT_INFRA, EXIT_PASS, cancelled_check, conclude
 
 SCHEMA_VERSION = 1
 log = logging.getLogger("harness")
@@ -86,6 +88,7 @@ def write_outputs(
     """Writes the run's files and prints its verdict table, the golden's news, the run directory and,
     last, a failed run's label line; returns the exit code (exit 3 where the outputs themselves
     could not be written)."""
+    judgement = write_golden_update(run, launched, records, judgement)
     summary = build_summary(run, launched, records, judgement)
     metrics = {arm: rec.metrics for arm, rec in records.items() if rec.steps_done()}
     golden = run.golden.golden if run.golden.mode == "check" else None
@@ -97,6 +100,27 @@ def write_outputs(
     if summary.label_line:
         print(summary.label_line, file=out)
     return summary.exit_code
+
+
+def write_golden_update(run: PreparedRun, launched: Launched, records: RunRecords, judged: Judgement) -> Judgement:
+    """``--golden update``: the run's trajectories written as its environment's golden once the run
+    passed; the judgement with what became of the golden. A signal while writing cancels the run,
+    and the old golden stays (it is replaced atomically)."""
+    golden = run.golden
+    if golden.mode != "update":
+        return judged
+    news = f"not updating {golden.shown(golden.path)}: the run did not pass"
+    if judged.exit_code == EXIT_PASS:
+        metrics = {arm: rec.metrics for arm, rec in records.items() if rec.steps_done()}
+        try:
+            news = update_golden(golden, run.suite, run.manifest, metrics)
+        except Cancelled as c:
+            checks, verdict, exit_code = conclude(judged.checks, c, launched.elapsed_s())
+            judged = dataclasses.replace(
+                judged, checks=checks, verdict=verdict, exit_code=exit_code, label=None, label_line=None
+            )
+            news = f"not updating {golden.shown(golden.path)}: {c}"
+    return dataclasses.replace(judged, golden_outcome=news.splitlines()[-1], golden_news=news)
 
 
 def build_summary(run: PreparedRun, launched: Launched, records: RunRecords, judged: Judgement) -> Summary:

@@ -21,17 +21,17 @@ import torch
 
 import harness
 from harness.cancel import Cancellation
-from harness.checks import planned_checks
+from harness.checks.golden import golden_check
+from harness.checks.throughput import gate_check
 from harness.environment import CpuPin, backend_for, cpu_pin, device_class, fingerprint, run_env_key, versions
-from harness.golden import GoldenPlan, golden_config, plan_golden
-from harness.launchers import LaunchGroup, plan_launches
+from harness.golden_plan import GoldenPlan, golden_config, plan_golden
 from harness.manifest import Manifest, ManifestError
 from harness.phases import PhaseLog
+from harness.plan import LaunchGroup, plan_groups
 from harness.rundir import harness_log, make_run_dir
 from harness.shipped import shipped_dir
 from harness.specs import CheckSpec, SuiteSpec
 from harness.subject import Subject, subject_of, usable_trace_cache
-from harness.throughput import plan_throughput_launches
 from harness.trust import TrustError, check_path, make_private_folders
 
 TRACE_ENV = "HARNESS_TRACE_CACHE"
@@ -105,9 +105,12 @@ class PreparedRun:
     checks: list[CheckSpec]  # what the run is judged by: the suite's and the golden's, or the gate
 
 
-def plan_groups(suite: SuiteSpec) -> list[LaunchGroup]:
-    """The launch groups of a suite, in the order they run."""
-    return plan_throughput_launches(suite) if suite.throughput else plan_launches(suite)
+def planned_checks(suite: SuiteSpec, plan: GoldenPlan, groups: list[LaunchGroup]) -> list[CheckSpec]:
+    """What a run is judged by, known before it launches: a throughput run's gate, else the suite's
+    [[checks]] and the golden's (none when ``--golden update`` records it instead)."""
+    if suite.throughput:
+        return [gate_check(suite.throughput, groups)]
+    return [*suite.checks, *filter(None, [golden_check(plan, suite)])]
 
 
 def prepare_run(
@@ -149,7 +152,7 @@ def prepare_run(
             seed=sorted({arm.seed for arm in suite.arms.values()}),
             env_key=key,
             golden_config=config,  # what its golden is recorded for
-            launches=[dataclasses.asdict(g) for g in groups],
+            launches=groups,
             golden=golden.record(),
             timeout_s=options.timeout_s,
             trace_cache=str(trace_cache) if trace_cache else None,
@@ -205,9 +208,7 @@ def read_prepared(run_dir: Path, suite: SuiteSpec, options: RunOptions) -> Prepa
         raise UsageError(f"{run_dir}: not a readable run directory: {e}") from None
     groups = plan_groups(suite)
     recorded = _plain({**manifest.suite, "path": None})
-    if _plain({**suite.to_dict(), "path": None}) != recorded or _plain(
-        [dataclasses.asdict(g) for g in groups]
-    ) != _plain(manifest.launches):
+    if _plain({**suite.to_dict(), "path": None}) != recorded or groups != manifest.launches:
         raise UsageError(
             f"{run_dir}: suite {suite.path} is not what the run recorded in manifest.json (changed since?)"
         )

@@ -15,9 +15,9 @@ traceback, is logs/harness.log.
 | prepare | validate, make the run directory, write manifest.json | :func:`harness.prepare.prepare_run` |
 | launch | the launch groups, one after another, under one deadline | :func:`harness.launching.launch_run` |
 | read | what the ranks recorded | :func:`harness.records.read_records` |
-| judge | the checks, the verdict, the golden update | :func:`harness.judge.judge` |
+| judge | the checks, the verdict | :func:`harness.judge.judge` |
 | locate | the first op where a failed bit-level check's arms part | :func:`harness.first_op.locate_first_op` |
-| write | summary.json, junit.xml, report.html, the console | :func:`harness.outputs.write_outputs` |
+| write | the golden update, summary.json, junit.xml, report.html, the console | :func:`harness.outputs.write_outputs` |
 
 ``harness submit`` prepares the same way and launches as Slurm jobs; ``harness collect`` reads a
 prepared run back (:func:`harness.prepare.read_prepared`); both then go through :func:`judge_run`.

@@ -14,12 +14,13 @@ import sys
 from pathlib import Path
 from typing import Any, TextIO
 
-from harness.launchers import GroupLauncher, LaunchContext, LaunchGroup, LaunchResult
+from harness.launchers import GroupLauncher, LaunchContext, LaunchResult
 from harness.launchers.slurm.jobs import JOB_DIR, JOBS_FILE, SlurmJob, read_jobs
 from harness.launchers.slurm.profile import SlurmProfile, check_gpus, job_shape
 from harness.launchers.slurm.submit import SlurmError, cancel, require_slurm, submit_jobs
 from harness.launchers.slurm.watch import JobWatch
-from harness.prepare import PreparedRun, RunOptions, UsageError, plan_groups, prepare_run, rank_env, read_prepared
+from harness.plan import LaunchGroup, plan_groups
+from harness.prepare import PreparedRun, RunOptions, UsageError, prepare_run, rank_env, read_prepared
 from harness.run import judge_run
 from harness.rundir import MANIFEST
 from harness.specs import SuiteSpec

@@ -1,4 +1,5 @@
-"""A vs B throughput: which measurements a throughput run makes (its gate is the check family
+"""A vs B throughput: what a throughput run's block rows add up to, and when it stops measuring (its
+block positions are planned in harness/plan.py; its gate is the check family
 :mod:`harness.checks.throughput`).
 
 A throughput run (a suite's ``[throughput]`` table, or ``harness abba``) times arm A against arm B
@@ -19,54 +20,9 @@ say why the run stopped where it did.
 from __future__ import annotations
 
 import statistics
-from dataclasses import dataclass
 
 from harness.abba import BLOCK, gate_verdict, paired_ratio
-from harness.launchers import LaunchGroup
-from harness.specs import SuiteSpec, ThroughputSpec
-
-SERIES = ("main", "control")
-
-
-@dataclass(frozen=True)
-class Measurement:
-    """One block position: ``copy`` names the trainer it times (``A``, ``B``, or ``A2``, the
-    control's second copy of A), ``role`` its place in the block's A B B A."""
-
-    series: str
-    block: int
-    position: int
-    role: str
-    copy: str
-    arm: str
-
-
-def plan_measurements(spec: ThroughputSpec) -> list[Measurement]:
-    """Every block position in the order it runs: block k of the main series, then (with
-    ``control``) block k of A against its copy, so both series see the same drift."""
-    copies = {"main": {"A": ("A", spec.a), "B": ("B", spec.b)}, "control": {"A": ("A", spec.a), "B": ("A2", spec.a)}}
-    plan = []
-    for block in range(1, spec.planned_blocks + 1):
-        for series in SERIES if spec.control else ("main",):
-            for position, role in enumerate(BLOCK):
-                copy, arm = copies[series][role]
-                plan.append(Measurement(series, block, position, role, copy, arm))
-    return plan
-
-
-def plan_throughput_launches(suite: SuiteSpec) -> list[LaunchGroup]:
-    """One launch holding every measurement when A and B have one process count; else one each."""
-    spec = suite.throughput
-    plan = plan_measurements(spec)
-    ranks = {suite.arms[spec.a].ranks, suite.arms[spec.b].ranks}
-    if len(ranks) == 1:
-        arms = tuple(dict.fromkeys((spec.a, spec.b)))
-        return [LaunchGroup("+".join(arms), ranks.pop(), arms, "logs", tuple(plan))]
-    groups = []
-    for m in plan:
-        name = f"{m.series}-b{m.block}p{m.position}-{m.arm}"
-        groups.append(LaunchGroup(name, suite.arms[m.arm].ranks, (m.arm,), f"logs/{name}", (m,)))
-    return groups
+from harness.specs import ThroughputSpec
 
 
 def whole_blocks(rows: list[dict], series: str) -> tuple[list[str], list[float], list[float]]:
@@ -103,7 +59,7 @@ def stop_reason(spec: ThroughputSpec, rows: list[dict]) -> str | None:
     if last is None or last["position"] != len(BLOCK) - 1 or last["series"] != ("control" if spec.control else "main"):
         return None
     roles, times, _ = whole_blocks(rows, "main")
-    blocks = len(roles) // len(BLOCK)
+    blocks, seconds = len(roles) // len(BLOCK), measuring_seconds(rows)
     if not spec.adaptive:
         return f"the {blocks} blocks of --blocks {spec.blocks}" if blocks >= spec.planned_blocks else None
     if blocks >= 2:
@@ -112,7 +68,6 @@ def stop_reason(spec: ThroughputSpec, rows: list[dict]) -> str | None:
             return f"the interval cleared the threshold after {blocks} blocks"
     if blocks >= spec.max_blocks:
         return f"--max-blocks {spec.max_blocks} reached"
-    seconds = measuring_seconds(rows)
     if seconds is not None and seconds >= spec.budget_s and blocks >= 2:  # 2: the fewest the gate judges
         return f"--budget-s {spec.budget_s:g} spent ({seconds:.0f} s, {blocks} blocks)"
     return None

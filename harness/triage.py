@@ -31,9 +31,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from harness.results import BAD_INPUT, REGRESSION
 from harness.subject.protocol import BadRecord, CheckpointRefused
 
-REGRESSION, INFRASTRUCTURE, BAD_INPUT = "regression", "infrastructure", "bad-input"
+INFRASTRUCTURE = "infrastructure"
 # How a traceback's last line starts when the rank refused a checkpoint.
 REFUSED = f"{CheckpointRefused.__module__}.{CheckpointRefused.__qualname__}: "
 BAD_RECORD = f"{BadRecord.__module__}.{BadRecord.__qualname__}: "

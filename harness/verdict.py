@@ -33,22 +33,22 @@ import dataclasses
 from typing import TYPE_CHECKING
 
 from harness.cancel import Cancelled
-from harness.compare import CheckResult
 from harness.records import ArmRecords
+from harness.results import (
+    BAD_INPUT,
+    DRIFT,
+    FAILED_AS_EXPECTED,
+    NOT_EVALUATED,
+    REGRESSION,
+    CheckResult,
+)
 from harness.specs import SuiteSpec
-from harness.triage import BAD_INPUT, REGRESSION
 
 if TYPE_CHECKING:  # the reports read verdicts too, without the launcher's imports
-    from harness.launchers import LaunchGroup, LaunchResult
+    from harness.launchers import LaunchResult
+    from harness.plan import LaunchGroup
 
 EXIT_PASS, EXIT_FAIL, EXIT_USAGE, EXIT_INFRA, EXIT_INCONCLUSIVE = 0, 1, 2, 3, 4
-# Worst first. "inconclusive": a gate whose interval straddles its threshold; "xfail": a check that
-# failed as its negative suite expects.
-STATUSES = ("error", "fail", "inconclusive", "xfail", "pass", "skip")
-# The verdict of a negative suite that failed exactly as it should; it exits 0.
-FAILED_AS_EXPECTED = "failed-as-expected"
-NOT_EVALUATED = "not_evaluated"  # CheckResult.extra key: the arm, never run, that left a check unjudged
-DRIFT = "drift"  # CheckResult.label: the environment, not the code, moved the numbers; REGRESSION otherwise
 
 
 def is_not_evaluated(check: CheckResult) -> bool:

@@ -30,6 +30,7 @@ import collections
 import contextlib
 import ctypes
 import ctypes.util
+import dataclasses
 import errno
 import faulthandler
 import functools
@@ -42,7 +43,7 @@ import sys
 import threading
 import time
 import traceback
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -60,6 +61,7 @@ from harness.digests import HASH_EVERY, digest_all, final_weights, parameters_ha
 from harness.files import write_json_atomic
 from harness.manifest import Manifest
 from harness.phases import PhaseLog
+from harness.plan import LaunchGroup, Measurement
 from harness.records import DigestLine, JsonlWriter, RankLine, read_jsonl
 from harness.rundir import THROUGHPUT, ArmFiles, arm_files, phases_file
 from harness.seam import ReceivedRecords
@@ -513,7 +515,7 @@ def measure_throughput(
     run_dir: Path,
     subject: Subject,
     suite: SuiteSpec,
-    measurements: list[dict],
+    measurements: Sequence[Measurement],
     device: str,
     phases: PhaseLog,
     cache_dir: Path | None = None,
@@ -523,8 +525,8 @@ def measure_throughput(
         the largest peak memory of any rank to ``throughput.jsonl`` (process rank 0). Tokens per second
     count the tokens of the updates the block made (a filling pipeline makes fewer)."""
     spec, debug = suite.throughput, suite.debug
-    positions = collections.Counter(m["copy"] for m in measurements)
-    arms = {m["copy"]: m["arm"] for m in measurements}
+    positions = collections.Counter(m.copy for m in measurements)
+    arms = {m.copy: m.arm for m in measurements}
     with contextlib.ExitStack() as stack:
         copies = {}
         for copy, count in positions.items():
@@ -541,16 +543,16 @@ def measure_throughput(
         rows: list[dict] = []
         with phases.phase("blocks"):
             for m in measurements:
-                timed = copies[m["copy"]]
+                timed = copies[m.copy]
                 first_step = timed.next_step
                 seconds, peak, tokens = _timed(timed, spec.steps, device)
                 worst = torch.tensor([seconds, float(peak), time.time()], dtype=torch.float64, device=device)
                 dist.all_reduce(worst, op=dist.ReduceOp.MAX)
                 seconds, peak, end_time = worst.tolist()
-                print(f"[{m['series']} block {m['block']} {m['role']}: {m['arm']}] {seconds:.4f} s", flush=True)
+                print(f"[{m.series} block {m.block} {m.role}: {m.arm}] {seconds:.4f} s", flush=True)
                 rows.append(
                     {
-                        **m,
+                        **dataclasses.asdict(m),
                         "steps": spec.steps,
                         "first_step": first_step,
                         "seconds": seconds,
@@ -570,10 +572,10 @@ def measure_throughput(
                     break
 
 
-def _op_recording(group: Mapping[str, Any], arm: str) -> OpRecording:
+def _op_recording(group: LaunchGroup, arm: str) -> OpRecording:
     """What an op-recording re-run's group asks of ``arm`` in this rank (``LaunchGroup.capture_ops``)."""
     rank = dist.get_rank()
-    return OpRecording(next((i for name, r, i in group.get("capture_ops", ()) if (name, r) == (arm, rank)), None))
+    return OpRecording(next((i for name, r, i in group.capture_ops if (name, r) == (arm, rank)), None))
 
 
 @functools.partial(record, error_handler=ErrorFileInRoom())
@@ -600,13 +602,13 @@ def main(argv: list[str]) -> None:
         with phases.phase("rendezvous"):
             _init_process_group(device, manifest.backend)
         print(f"rank {dist.get_rank()}/{dist.get_world_size()} of group {group_name}: pid {os.getpid()}", flush=True)
-        if group["measurements"]:
-            measure_throughput(run_dir, subject, suite, group["measurements"], device, phases, cache_dir)
+        if group.measurements:
+            measure_throughput(run_dir, subject, suite, group.measurements, device, phases, cache_dir)
         else:
-            segment = Segment(group.get("first_step", 1), group.get("last_step"), group.get("checkpoint"))
-            for arm in group["arms"]:
+            segment = Segment(group.first_step, group.last_step, group.checkpoint)
+            for arm in group.arms:
                 spec = suite.arms[arm]
-                ops = _op_recording(group, arm) if group.get("record_ops") else None
+                ops = _op_recording(group, arm) if group.record_ops else None
                 run_arm(run_dir, subject, spec, suite.steps, suite.debug, device, phases, cache_dir, segment, ops)
         with phases.phase("shutdown"):
             dist.destroy_process_group()

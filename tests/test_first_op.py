@@ -19,10 +19,11 @@ from conftest import MANIFEST_SCHEMA
 
 from harness.first_op import locate_first_op
 from harness.judge import judge
-from harness.launchers import LaunchContext, LaunchGroup, LaunchResult
+from harness.launchers import LaunchContext, LaunchResult
 from harness.launching import Launched
 from harness.op_divergence import OpRecord
 from harness.op_divergence.files import read_captured, read_ops, write_captured, write_ops
+from harness.plan import LaunchGroup
 from harness.prepare import RunOptions, read_prepared
 from harness.records import RecordError, read_records
 from harness.suites import load_suite

@@ -12,18 +12,16 @@ from harness.compare import Close, Exact
 from harness.environment import env_key
 from harness.golden import (
     GoldenError,
-    GoldenPlan,
     comparable_goldens,
     config_differences,
     diff_summary,
     fingerprint_changes,
     golden_from_metrics,
     load_golden,
-    plan_golden,
-    rebless_command,
     shown_path,
     write_golden,
 )
+from harness.golden_plan import GoldenPlan, plan_golden, rebless_command
 from harness.shipped import SOURCE_ROOT
 from harness.suites import load_suite
 

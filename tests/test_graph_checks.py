@@ -19,8 +19,8 @@ from harness.checks.graph import (
     expected_regions,
     read_graph,
 )
-from harness.compare import CheckResult
 from harness.records import ArmRecords, read_arm
+from harness.results import CheckResult
 from harness.suites import SuiteError
 
 ROOTS = ["model.layers.1.mlp", "model.layers.2.mlp"]

@@ -11,8 +11,8 @@ from suite_files import suite_from
 
 from harness.checks import run_check
 from harness.checks.overlap import overlap_problem
-from harness.compare import CheckResult
 from harness.records import ArmRecords
+from harness.results import CheckResult
 from harness.suites import SuiteError
 
 SUITE = """

@@ -12,9 +12,9 @@ import pandas as pd
 from suite_files import suite_from
 
 from harness.checks import run_check
-from harness.compare import CheckResult
 from harness.records import ArmRecords
 from harness.report import format_verdict_table, write_html, write_junit
+from harness.results import CheckResult
 
 SUITE = """
 name = "mini"

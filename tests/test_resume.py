@@ -26,13 +26,13 @@ import torch.distributed.checkpoint as dcp
 from suite_files import suite_error, suite_from
 
 from harness.checks.resume import run as judge_resume
-from harness.compare import CheckResult
-from harness.launchers import plan_launches
+from harness.plan import plan_launches
 from harness.records import ArmRecords, read_jsonl
 from harness.reference import checkpoint
 from harness.reference.pec import PECConfig, PECTrainer
 from harness.reference.pipeline import PipelineConfig, VersionedTrainer
 from harness.reference.train import TrainConfig, Trainer
+from harness.results import CheckResult
 from harness.specs import CheckSpec
 from harness.suites import load_suite
 from harness.trust import mode_of, tag, user_key

@@ -17,11 +17,11 @@ from pathlib import Path
 
 import pytest
 
-from harness.launchers import LaunchGroup
 from harness.launchers.slurm.jobs import RESULT_FILE, SlurmJob, read_results
 from harness.launchers.slurm.profile import SlurmProfile, executor_parameters, job_shape
 from harness.launchers.slurm.task import rendezvous_env, rendezvous_port, run_task
 from harness.manifest import ManifestError
+from harness.plan import LaunchGroup
 from harness.suites import SuiteError
 
 REPO = Path(__file__).resolve().parent.parent

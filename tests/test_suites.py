@@ -7,8 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from harness.golden import config_differences, golden_config
-from harness.launchers import plan_launches
+from harness.golden import config_differences
+from harness.golden_plan import golden_config
+from harness.plan import plan_launches
 from harness.suites import SuiteError, list_suites, load_suite
 
 GOOD = """

@@ -9,10 +9,10 @@ from pathlib import Path
 import pytest
 
 from harness.checks.throughput import judge_throughput
-from harness.compare import CheckResult
+from harness.plan import plan_measurements, plan_throughput_launches
 from harness.records import read_records
 from harness.report.throughput import improvement_note
-from harness.throughput import plan_measurements, plan_throughput_launches
+from harness.results import CheckResult
 from harness.verdict import EXIT_FAIL, EXIT_INCONCLUSIVE, EXIT_INFRA, EXIT_PASS, verdict_of
 from tests.suite_files import suite_from
 

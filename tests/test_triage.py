@@ -6,8 +6,9 @@ import signal
 
 import pytest
 
+from harness.results import BAD_INPUT, REGRESSION
 from harness.subject import load_subject
-from harness.triage import BAD_INPUT, INFRASTRUCTURE, REFUSED, REGRESSION, Verdict, classify, exception_line
+from harness.triage import INFRASTRUCTURE, REFUSED, Verdict, classify, exception_line
 
 WORKER = "/work/harness/harness/worker.py"
 SOURCE = load_subject("reference").source

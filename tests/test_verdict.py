@@ -10,14 +10,14 @@ from pathlib import Path
 
 import pytest
 
-from harness.compare import CheckResult
 from harness.judge import regression_line
-from harness.launchers import LaunchGroup, LaunchResult, RankFailure
+from harness.launchers import LaunchResult, RankFailure
+from harness.plan import LaunchGroup
 from harness.records import ArmRecords, read_metrics_records
 from harness.report import format_verdict_table
 from harness.report.checks import status_counts
+from harness.results import BAD_INPUT, CheckResult
 from harness.suites import SuiteError
-from harness.triage import BAD_INPUT
 from harness.verdict import (
     DRIFT,
     EXIT_FAIL,

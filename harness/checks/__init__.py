@@ -38,21 +38,8 @@ from harness.checks import (  # noqa: F401  (they register)
     versioned,
     weights,
 )
-from harness.checks.golden import golden_check
 from harness.checks.registry import FAMILIES, CheckFamily, register, run_check
-from harness.checks.throughput import gate_check
-from harness.golden import GoldenPlan
-from harness.launchers import LaunchGroup
-from harness.specs import CheckSpec, SuiteSpec
 
 CHECK_KINDS = tuple(kind for kind, family in FAMILIES.items() if family.listed)
 
-__all__ = ["CHECK_KINDS", "FAMILIES", "CheckFamily", "planned_checks", "register", "run_check"]
-
-
-def planned_checks(suite: SuiteSpec, plan: GoldenPlan, groups: list[LaunchGroup]) -> list[CheckSpec]:
-    """What a run is judged by, known before it launches: a throughput run's gate, else the suite's
-    [[checks]] and the golden's (none when ``--golden update`` records it instead)."""
-    if suite.throughput:
-        return [gate_check(suite.throughput, groups)]
-    return [*suite.checks, *filter(None, [golden_check(plan, suite)])]
+__all__ = ["CHECK_KINDS", "FAMILIES", "CheckFamily", "register", "run_check"]

@@ -17,8 +17,8 @@ from collections import Counter, defaultdict
 from collections.abc import Callable, Iterable
 
 from harness.checks.registry import CheckFamily, Problem, SuiteReader, arm_list, problems_result, register
-from harness.compare import CheckResult
 from harness.records import ArmRecords, RunRecords
+from harness.results import CheckResult
 from harness.specs import ArmSpec, CheckSpec, SuiteSpec
 from harness.subject.protocol import TOKEN_EXCHANGE, VERSIONED
 

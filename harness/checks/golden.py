@@ -23,13 +23,13 @@ from dataclasses import replace
 import pandas as pd
 
 from harness.checks.registry import CheckFamily, SuiteReader, register
-from harness.compare import CheckResult, Tier, compare_arms, tier_from_spec
-from harness.golden import Golden, GoldenPlan, fingerprint_changes
+from harness.compare import Tier, compare_arms, tier_from_spec
+from harness.golden import Golden, fingerprint_changes
+from harness.golden_plan import GoldenPlan
 from harness.records import RunRecords
+from harness.results import DRIFT, REGRESSION, CheckResult
 from harness.specs import ArmSpec, CheckSpec, SuiteSpec
 from harness.subject.protocol import METRICS
-from harness.triage import REGRESSION
-from harness.verdict import DRIFT
 
 KIND = "golden"
 

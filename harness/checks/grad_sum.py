@@ -12,8 +12,8 @@ bitwise equal at every step on every logical rank; a step without them fails too
 from __future__ import annotations
 
 from harness.checks.registry import CheckFamily, Problem, SuiteReader, problems_result, qualifying_arms, register
-from harness.compare import CheckResult
 from harness.records import RankLine, RunRecords
+from harness.results import CheckResult
 from harness.specs import ArmSpec, CheckSpec, SuiteSpec
 from harness.subject.protocol import GRADIENT_SUM, RANK_UPDATES
 

@@ -30,8 +30,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from harness.checks.registry import CheckFamily, SuiteReader, problems_result, qualifying_arms, register
-from harness.compare import CheckResult
 from harness.records import ArmRecords, RunRecords
+from harness.results import CheckResult
 from harness.specs import ArmSpec, CheckSpec, SuiteSpec
 from harness.subject.protocol import GRAPH
 

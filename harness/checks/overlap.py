@@ -31,8 +31,8 @@ from collections.abc import Iterable
 from harness.checks.exchange import Event, malformed_events
 from harness.checks.graph import GraphNode, expected_regions, graph_nodes, region_problems
 from harness.checks.registry import CheckFamily, SuiteReader, problems_result, qualifying_arms, register
-from harness.compare import CheckResult
 from harness.records import ArmRecords, RunRecords
+from harness.results import CheckResult
 from harness.specs import ArmSpec, CheckSpec, SuiteSpec
 from harness.subject.protocol import GRAPH, TOKEN_EXCHANGE
 

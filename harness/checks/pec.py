@@ -54,8 +54,8 @@ from collections import Counter, defaultdict
 from collections.abc import Callable
 
 from harness.checks.registry import CheckFamily, Problem, SuiteReader, problems_result, qualifying_arms, register
-from harness.compare import CheckResult
 from harness.records import RunRecords
+from harness.results import CheckResult
 from harness.specs import ArmSpec, CheckSpec, SuiteSpec
 from harness.subject.protocol import PEC
 

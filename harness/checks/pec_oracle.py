@@ -20,8 +20,8 @@ import math
 from typing import Any
 
 from harness.checks.registry import CheckFamily, SuiteReader, register
-from harness.compare import CheckResult
 from harness.records import RunRecords
+from harness.results import CheckResult
 from harness.specs import ArmSpec, CheckSpec, SuiteSpec
 from harness.subject.protocol import FIDELITY
 

@@ -15,8 +15,9 @@ import struct
 from typing import Any
 
 from harness.checks.registry import CheckFamily, SuiteReader, arm_list, register
-from harness.compare import CheckResult, format_steps
+from harness.compare import format_steps
 from harness.records import RankLine, RunRecords
+from harness.results import CheckResult
 from harness.specs import ArmSpec, CheckSpec, SuiteSpec
 from harness.subject.protocol import RANK_UPDATES
 

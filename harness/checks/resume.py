@@ -29,9 +29,10 @@ import dataclasses
 
 from harness.checks.pairs import localised
 from harness.checks.registry import CheckFamily, SuiteReader, register
-from harness.compare import CheckResult, Exact, compare_arms
+from harness.compare import Exact, compare_arms
 from harness.digests import first_divergence
 from harness.records import RunRecords
+from harness.results import CheckResult
 from harness.specs import ArmSpec, CheckSpec, SuiteSpec
 from harness.subject.protocol import GRADIENT_DIGESTS, METRICS
 

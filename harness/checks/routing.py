@@ -14,8 +14,8 @@ from __future__ import annotations
 from collections import Counter
 
 from harness.checks.registry import CheckFamily, SuiteReader, arm_list, problems_result, register
-from harness.compare import CheckResult
 from harness.records import ArmRecords, RunRecords
+from harness.results import CheckResult
 from harness.specs import ArmSpec, CheckSpec, SuiteSpec
 from harness.subject.protocol import TOKEN_EXCHANGE
 

@@ -18,9 +18,9 @@ import statistics
 
 from harness.abba import PairedRatio, gate_verdict, paired_ratio, relative_iqr
 from harness.checks.registry import CheckFamily, SuiteReader, register
-from harness.compare import CheckResult
-from harness.launchers import LaunchGroup
+from harness.plan import LaunchGroup
 from harness.records import RunRecords
+from harness.results import CheckResult
 from harness.specs import ArmSpec, CheckSpec, SuiteSpec, ThroughputSpec
 from harness.subject.protocol import METRICS
 from harness.throughput import measuring_seconds, stop_reason, whole_blocks

@@ -18,8 +18,9 @@ from collections import defaultdict
 from collections.abc import Iterable
 
 from harness.checks.registry import CheckFamily, Problem, SuiteReader, problems_result, qualifying_arms, register
-from harness.compare import CheckResult, format_steps
+from harness.compare import format_steps
 from harness.records import RunRecords
+from harness.results import CheckResult
 from harness.specs import ArmSpec, CheckSpec, SuiteSpec
 from harness.subject.protocol import VERSIONED
 

@@ -11,8 +11,8 @@ every digest is the same; a missing record fails, naming the arm and the logical
 from __future__ import annotations
 
 from harness.checks.registry import CheckFamily, Problem, SuiteReader, problems_result, register
-from harness.compare import CheckResult
 from harness.records import RunRecords
+from harness.results import CheckResult
 from harness.specs import ArmSpec, CheckSpec, SuiteSpec
 from harness.subject.protocol import FINAL_WEIGHTS
 

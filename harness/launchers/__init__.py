@@ -1,13 +1,13 @@
-"""Launching a run's groups of ranks: what a launch group is, how it ended, and the one interface
+"""Launching a run's groups of ranks: how a launch group ended, and the one interface
 both launchers implement.
 
-A run's arms are planned into launch groups (``plan_launches``; a throughput run plans its own,
-harness/throughput.py), and the run hands each group in turn to a ``GroupLauncher``: the elastic
-agent on this machine (``local.launch_group``) or a Slurm job (``slurm.watch.JobWatch``). Every
-launcher starts ``python -m harness.worker RUN_DIR GROUP`` once per rank, with the rank's output in
-``LaunchGroup.log`` and its traceback in ``LaunchGroup.error_file``, and reports the ending as a
-``LaunchResult``: the failed ranks in the order they died, the root cause judged by triage.py
-(failures.py), or the deadline's stack dumps (deadline.py). Nothing here imports the run that
+A run's arms are planned into launch groups (harness/plan.py), and the run hands each group in turn
+to a ``GroupLauncher``: the elastic agent on this machine (``local.launch_group``) or a Slurm job
+(``slurm.watch.JobWatch``). Every launcher starts ``python -m harness.worker RUN_DIR GROUP`` once
+per rank, with the rank's output in ``LaunchGroup.log`` and its traceback in
+``LaunchGroup.error_file``, and reports the ending as a ``LaunchResult``: the failed ranks in the
+order they died, the root cause judged by triage.py (failures.py), or the deadline's stack dumps
+(deadline.py). Nothing here imports the run that
 calls it (harness/run.py).
 """
 
@@ -18,69 +18,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
-from harness.rundir import LOGS_DIR
-from harness.specs import SuiteSpec
+from harness.plan import LaunchGroup
 from harness.triage import Verdict
 
 # Once one rank failed, the seconds its peers get to fail on their own before the group is torn down.
 SHUTDOWN_GRACE_S = 3
-
-
-@dataclass(frozen=True)
-class LaunchGroup:
-    """Arms sharing a process count: they run in one launch, one after another. A throughput
-    run's group instead times the block positions in ``measurements`` (harness/throughput.py).
-    A resumed arm's two launches are groups apart from the straight arms' (shared with resumed arms
-    that stop and resume alike): ``first_step`` to ``last_step`` (None: the suite's last), the
-    first ending with a save (``checkpoint = "save"``), the second starting with a load (``"load"``).
-    An op-recording re-run's groups (harness/first_op.py) set ``record_ops``: every rank records its
-    ops, and keeps the outputs of the op ``capture_ops`` names for it, as (arm, process rank, op index)."""
-
-    name: str
-    ranks: int
-    arms: tuple[str, ...]
-    log_dir: str  # relative to the run directory
-    measurements: tuple[Any, ...] = ()  # harness.throughput.Measurement
-    first_step: int = 1
-    last_step: int | None = None
-    checkpoint: str | None = None
-    record_ops: bool = False
-    capture_ops: tuple[tuple[str, int, int], ...] = ()
-
-    def log(self, rank: int) -> str:
-        return f"{self.log_dir}/rank{rank}.log"
-
-    def error_file(self, rank: int) -> str:
-        """Where the rank writes its traceback (TORCHELASTIC_ERROR_FILE), relative to the run directory."""
-        return f"{self.log_dir}/rank{rank}.error.json"
-
-
-def plan_launches(suite: SuiteSpec) -> list[LaunchGroup]:
-    """Groups arms by process count, keeping the suite's arm order; then the resumed arms' saving
-    launches, then their loading ones. Resumed arms that save on the same process count after the
-    same step share their saving launch, and so for loading: their arms run in turn in it, as in
-    any group, and a launch's start-up (seconds) is paid once."""
-    by_ranks: dict[int, list[str]] = {}
-    saving: dict[tuple[int, int], list[str]] = {}
-    loading: dict[tuple[int, int], list[str]] = {}
-    for arm in suite.arms.values():
-        if arm.resume_at is None:
-            by_ranks.setdefault(arm.ranks, []).append(arm.name)
-        else:
-            saving.setdefault((arm.ranks, arm.resume_at), []).append(arm.name)
-            loading.setdefault((arm.resume_ranks or arm.ranks, arm.resume_at), []).append(arm.name)
-    single = len(by_ranks) == 1 and not saving
-    groups = [
-        LaunchGroup("+".join(arms), ranks, tuple(arms), LOGS_DIR if single else f"{LOGS_DIR}/{'+'.join(arms)}")
-        for ranks, arms in by_ranks.items()
-    ]
-    for (ranks, at), arms in saving.items():
-        name = f"{'+'.join(arms)}@1-{at}"
-        groups.append(LaunchGroup(name, ranks, tuple(arms), f"{LOGS_DIR}/{name}", last_step=at, checkpoint="save"))
-    for (ranks, at), arms in loading.items():
-        name = f"{'+'.join(arms)}@{at + 1}-"
-        groups.append(LaunchGroup(name, ranks, tuple(arms), f"{LOGS_DIR}/{name}", first_step=at + 1, checkpoint="load"))
-    return groups
 
 
 @dataclass

@@ -15,7 +15,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from harness.launchers import LaunchGroup
+from harness.plan import LaunchGroup
 
 # Seconds to wait for the stack dumps after SIGUSR1, before killing hung ranks.
 STACK_DUMP_WAIT_S = 3.0

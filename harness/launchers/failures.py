@@ -18,9 +18,11 @@ from pathlib import Path
 
 from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
 
-from harness.launchers import LaunchContext, LaunchGroup, LaunchResult, RankFailure
+from harness.launchers import LaunchContext, LaunchResult, RankFailure
 from harness.launchers.deadline import StackDumps
-from harness.triage import BAD_INPUT, INFRASTRUCTURE, Verdict, classify, exception_line
+from harness.plan import LaunchGroup
+from harness.results import BAD_INPUT
+from harness.triage import INFRASTRUCTURE, Verdict, classify, exception_line
 from harness.worker import release_error_room
 
 FULL_DISK = "No space left on device on the run directory's disk"

@@ -37,7 +37,7 @@ from torch.distributed.elastic.multiprocessing.api import LogsDest, LogsSpecs
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
-from harness.launchers import SHUTDOWN_GRACE_S, LaunchContext, LaunchGroup, LaunchResult
+from harness.launchers import SHUTDOWN_GRACE_S, LaunchContext, LaunchResult
 from harness.launchers.deadline import StackDumps, dump_stacks_then_kill
 from harness.launchers.failures import (
     FULL_DISK,
@@ -47,6 +47,7 @@ from harness.launchers.failures import (
     readable_error_file,
     release_error_rooms,
 )
+from harness.plan import LaunchGroup
 from harness.rundir import LAUNCHER_LOG, QuietFileHandler
 from harness.triage import INFRASTRUCTURE, Verdict, oom_kills
 from harness.worker import AGENT_PID_ENV

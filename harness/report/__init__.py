@@ -6,7 +6,7 @@ from harness.report.checks import not_evaluated, problems_first, status_counts, 
 from harness.report.html import write_html
 from harness.report.junit import write_junit
 from harness.report.throughput import improvement_note, read_throughput
-from harness.verdict import NOT_EVALUATED
+from harness.results import NOT_EVALUATED
 
 __all__ = ["format_verdict_table", "read_throughput", "write_html", "write_junit"]
 

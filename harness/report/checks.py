@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from harness.verdict import DRIFT, FAILED_AS_EXPECTED, NOT_EVALUATED, STATUSES
+from harness.results import DRIFT, FAILED_AS_EXPECTED, NOT_EVALUATED, STATUSES
 
 PROBLEMS = frozenset({"error", "fail", "inconclusive"})
 

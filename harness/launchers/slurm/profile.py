@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from harness.launchers import LaunchGroup
+from harness.plan import LaunchGroup
 from harness.shipped import shipped_dir
 from harness.suites import SuiteError, display_path, field_reader
 

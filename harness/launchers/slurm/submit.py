@@ -13,10 +13,10 @@ import subprocess
 from pathlib import Path
 from typing import Any
 
-from harness.launchers import LaunchGroup
 from harness.launchers.slurm.jobs import JOB_DIR, SlurmJob, write_jobs
 from harness.launchers.slurm.profile import SlurmProfile, executor_parameters, job_shape
 from harness.launchers.slurm.task import run_task
+from harness.plan import LaunchGroup
 from harness.suites import SuiteError
 
 

@@ -22,7 +22,6 @@ import traceback
 from pathlib import Path
 from typing import Any
 
-from harness.launchers import LaunchGroup
 from harness.launchers.slurm.jobs import result_file, write_result
 from harness.manifest import Manifest
 from harness.worker import AGENT_PID_ENV, release_error_room
@@ -83,7 +82,7 @@ def _run_worker(run_dir: str, group_name: str, env: dict[str, str]) -> dict[str,
     stack dump the watch sends to every process of the job at --timeout."""
     rendezvous = rendezvous_env()
     rank = int(rendezvous["RANK"])
-    group = LaunchGroup(**Manifest.read(run_dir).launch(group_name))
+    group = Manifest.read(run_dir).launch(group_name)
     log = Path(run_dir) / group.log(rank)
     log.parent.mkdir(parents=True, exist_ok=True)
     errors = Path(run_dir) / group.error_file(rank)

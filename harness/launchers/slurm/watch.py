@@ -27,11 +27,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from harness.launchers import SHUTDOWN_GRACE_S, LaunchContext, LaunchGroup, LaunchResult, RankFailure
+from harness.launchers import SHUTDOWN_GRACE_S, LaunchContext, LaunchResult, RankFailure
 from harness.launchers.deadline import StackDumps, dump_stacks_then_kill
 from harness.launchers.failures import describe_failures, judge_failure, log_tail, process_failure, release_error_rooms
 from harness.launchers.slurm.jobs import JOB_DIR, SlurmJob, read_results
 from harness.launchers.slurm.submit import cancel
+from harness.plan import LaunchGroup
 from harness.triage import INFRASTRUCTURE, Verdict
 
 # squeue states (%T) of a job that ended without finishing its work.

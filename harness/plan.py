@@ -1,0 +1,135 @@
+"""A run's launch plan: which launch groups run its arms, in which order (:func:`plan_groups`).
+
+A suite's arms are grouped by process count (:func:`plan_launches`); a resumed arm's two launches,
+saving then loading, are groups of their own. A throughput run instead times its two arms in ABBA
+blocks (harness/throughput.py says how it stops, harness/abba.py why that order), each block
+position a :class:`Measurement` (:func:`plan_throughput_launches`). The plan is made before
+anything launches, written into manifest.json as data, and read back typed by every rank.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from harness.abba import BLOCK
+from harness.rundir import LOGS_DIR
+from harness.specs import SuiteSpec, ThroughputSpec
+
+SERIES = ("main", "control")
+
+
+@dataclass(frozen=True)
+class Measurement:
+    """One block position: ``copy`` names the trainer it times (``A``, ``B``, or ``A2``, the
+    control's second copy of A), ``role`` its place in the block's A B B A."""
+
+    series: str
+    block: int
+    position: int
+    role: str
+    copy: str
+    arm: str
+
+
+@dataclass(frozen=True)
+class LaunchGroup:
+    """Arms sharing a process count: they run in one launch, one after another. A throughput
+    run's group instead times the block positions in ``measurements``.
+    A resumed arm's two launches are groups apart from the straight arms' (shared with resumed arms
+    that stop and resume alike): ``first_step`` to ``last_step`` (None: the suite's last), the
+    first ending with a save (``checkpoint = "save"``), the second starting with a load (``"load"``).
+    An op-recording re-run's groups (harness/first_op.py) set ``record_ops``: every rank records its
+    ops, and keeps the outputs of the op ``capture_ops`` names for it, as (arm, process rank, op index)."""
+
+    name: str
+    ranks: int
+    arms: tuple[str, ...]
+    log_dir: str  # relative to the run directory
+    measurements: tuple[Measurement, ...] = ()
+    first_step: int = 1
+    last_step: int | None = None
+    checkpoint: str | None = None
+    record_ops: bool = False
+    capture_ops: tuple[tuple[str, int, int], ...] = ()
+
+    def log(self, rank: int) -> str:
+        return f"{self.log_dir}/rank{rank}.log"
+
+    def error_file(self, rank: int) -> str:
+        """Where the rank writes its traceback (TORCHELASTIC_ERROR_FILE), relative to the run directory."""
+        return f"{self.log_dir}/rank{rank}.error.json"
+
+    @classmethod
+    def from_dict(cls, raw: dict[str, Any]) -> LaunchGroup:
+        """A group as manifest.json holds it (``dataclasses.asdict``), typed again; TypeError for a
+        field it does not know."""
+        return cls(
+            **{
+                **raw,
+                "arms": tuple(raw["arms"]),
+                "measurements": tuple(Measurement(**m) for m in raw.get("measurements", ())),
+                "capture_ops": tuple(tuple(op) for op in raw.get("capture_ops", ())),
+            }
+        )
+
+
+def plan_groups(suite: SuiteSpec) -> list[LaunchGroup]:
+    """The launch groups of a suite, in the order they run."""
+    return plan_throughput_launches(suite) if suite.throughput else plan_launches(suite)
+
+
+def plan_launches(suite: SuiteSpec) -> list[LaunchGroup]:
+    """Groups arms by process count, keeping the suite's arm order; then the resumed arms' saving
+    launches, then their loading ones. Resumed arms that save on the same process count after the
+    same step share their saving launch, and so for loading: their arms run in turn in it, as in
+    any group, and a launch's start-up (seconds) is paid once."""
+    by_ranks: dict[int, list[str]] = {}
+    saving: dict[tuple[int, int], list[str]] = {}
+    loading: dict[tuple[int, int], list[str]] = {}
+    for arm in suite.arms.values():
+        if arm.resume_at is None:
+            by_ranks.setdefault(arm.ranks, []).append(arm.name)
+        else:
+            saving.setdefault((arm.ranks, arm.resume_at), []).append(arm.name)
+            loading.setdefault((arm.resume_ranks or arm.ranks, arm.resume_at), []).append(arm.name)
+    single = len(by_ranks) == 1 and not saving
+    groups = [
+        LaunchGroup("+".join(arms), ranks, tuple(arms), LOGS_DIR if single else f"{LOGS_DIR}/{'+'.join(arms)}")
+        for ranks, arms in by_ranks.items()
+    ]
+    for (ranks, at), arms in saving.items():
+        name = f"{'+'.join(arms)}@1-{at}"
+        groups.append(LaunchGroup(name, ranks, tuple(arms), f"{LOGS_DIR}/{name}", last_step=at, checkpoint="save"))
+    for (ranks, at), arms in loading.items():
+        name = f"{'+'.join(arms)}@{at + 1}-"
+        groups.append(LaunchGroup(name, ranks, tuple(arms), f"{LOGS_DIR}/{name}", first_step=at + 1, checkpoint="load"))
+    return groups
+
+
+def plan_measurements(spec: ThroughputSpec) -> list[Measurement]:
+    """Every block position in the order it runs: block k of the main series, then (with
+    ``control``) block k of A against its copy, so both series see the same drift."""
+    copies = {"main": {"A": ("A", spec.a), "B": ("B", spec.b)}, "control": {"A": ("A", spec.a), "B": ("A2", spec.a)}}
+    plan = []
+    for block in range(1, spec.planned_blocks + 1):
+        for series in SERIES if spec.control else ("main",):
+            for position, role in enumerate(BLOCK):
+                copy, arm = copies[series][role]
+                plan.append(Measurement(series, block, position, role, copy, arm))
+    return plan
+
+
+def plan_throughput_launches(suite: SuiteSpec) -> list[LaunchGroup]:
+    """One launch holding every measurement when A and B have one process count; else one each."""
+    spec = suite.throughput
+    plan = plan_measurements(spec)
+    ranks = {suite.arms[spec.a].ranks, suite.arms[spec.b].ranks}
+    if len(ranks) == 1:
+        arms = tuple(dict.fromkeys((spec.a, spec.b)))
+        return [LaunchGroup("+".join(arms), ranks.pop(), arms, LOGS_DIR, tuple(plan))]
+    groups = []
+    for m in plan:
+        name = f"{m.series}-b{m.block}p{m.position}-{m.arm}"
+        groups.append(LaunchGroup(name, suite.arms[m.arm].ranks, (m.arm,), f"{LOGS_DIR}/{name}", (m,)))
+    return groups
