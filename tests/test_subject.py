@@ -139,7 +139,7 @@ def test_a_subject_that_cannot_be_loaded_is_one_line_naming_it(
 
 
 def test_an_installed_subject_registers_under_the_entry_point_group(tmp_path: Path, monkeypatch) -> None:
-    (tmp_path / "my_trainer.py").write_text(
+    (tmp_path / "entry_point_trainer.py").write_text(
         textwrap.dedent(
             """
             import sys
@@ -155,10 +155,10 @@ def test_an_installed_subject_registers_under_the_entry_point_group(tmp_path: Pa
             % str(REPO / "examples")
         )
     )
-    dist_info = tmp_path / "my_trainer-1.0.dist-info"
+    dist_info = tmp_path / "entry_point_trainer-1.0.dist-info"
     dist_info.mkdir()
-    (dist_info / "METADATA").write_text("Metadata-Version: 2.1\nName: my-trainer\nVersion: 1.0\n")
-    (dist_info / "entry_points.txt").write_text(f"[{ENTRY_POINT_GROUP}]\nmine = my_trainer:factory\n")
+    (dist_info / "METADATA").write_text("Metadata-Version: 2.1\nName: entry-point-trainer\nVersion: 1.0\n")
+    (dist_info / "entry_points.txt").write_text(f"[{ENTRY_POINT_GROUP}]\nmine = entry_point_trainer:factory\n")
     monkeypatch.syspath_prepend(str(tmp_path))
     subject = load_subject("mine")
     assert subject.name == "mine" and protocol.TOKEN_EXCHANGE not in subject.families
