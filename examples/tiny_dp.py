@@ -33,7 +33,6 @@ from harness.subject import protocol
 from harness.subject.config import dataclass_arms
 
 if TYPE_CHECKING:
-    from harness.checks.registry import SuiteReader
     from harness.specs import ArmSpec
 
 SYNCS = ("bucket", "per-parameter")
@@ -167,7 +166,7 @@ class TinyDP:
     source = (Path(__file__).resolve(),)
     train_fields = {f: type(v) for f, v in TinyConfig().__dict__.items()}
 
-    def parse_arms(self, tables: protocol.SuiteTables, reader: SuiteReader) -> dict[str, ArmSpec]:
+    def parse_arms(self, tables: protocol.SuiteTables, reader: protocol.SuiteReader) -> dict[str, ArmSpec]:
         positive = ("vocab", "hidden", "layers", "local_batch", "seq_len", "lr", "max_norm")
         return dataclass_arms(tables, reader, TinyConfig, self.families, positive, subject=f'subject "{self.name}"')
 

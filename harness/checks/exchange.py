@@ -16,11 +16,11 @@ import dataclasses
 from collections import Counter, defaultdict
 from collections.abc import Callable, Iterable
 
-from harness.checks.registry import CheckFamily, Problem, SuiteReader, arm_list, problems_result, register
+from harness.checks.registry import CheckFamily, Problem, arm_list, problems_result, register
 from harness.compare import CheckResult
 from harness.records import ArmRecords, RunRecords
 from harness.specs import ArmSpec, CheckSpec, SuiteSpec
-from harness.subject.protocol import TOKEN_EXCHANGE, VERSIONED
+from harness.subject.protocol import TOKEN_EXCHANGE, VERSIONED, SuiteReader
 
 KIND = "token-exchange-invariants"
 PAIRING = "token-exchange:launch-wait-pairing"

@@ -22,12 +22,12 @@ from dataclasses import replace
 
 import pandas as pd
 
-from harness.checks.registry import CheckFamily, SuiteReader, register
+from harness.checks.registry import CheckFamily, register
 from harness.compare import CheckResult, Tier, compare_arms, tier_from_spec
 from harness.golden import Golden, GoldenPlan, fingerprint_changes
 from harness.records import RunRecords
 from harness.specs import ArmSpec, CheckSpec, SuiteSpec
-from harness.subject.protocol import METRICS
+from harness.subject.protocol import METRICS, SuiteReader
 from harness.triage import REGRESSION
 from harness.verdict import DRIFT
 

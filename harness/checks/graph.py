@@ -29,11 +29,11 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
-from harness.checks.registry import CheckFamily, SuiteReader, problems_result, qualifying_arms, register
+from harness.checks.registry import CheckFamily, problems_result, qualifying_arms, register
 from harness.compare import CheckResult
 from harness.records import ArmRecords, RunRecords
 from harness.specs import ArmSpec, CheckSpec, SuiteSpec
-from harness.subject.protocol import GRAPH
+from harness.subject.protocol import GRAPH, SuiteReader
 
 KIND = "graph-invariants"
 COUNTS = "graph:exchange-counts"

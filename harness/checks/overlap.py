@@ -30,11 +30,11 @@ from collections.abc import Iterable
 
 from harness.checks.exchange import Event, malformed_events
 from harness.checks.graph import GraphNode, expected_regions, graph_nodes, region_problems
-from harness.checks.registry import CheckFamily, SuiteReader, problems_result, qualifying_arms, register
+from harness.checks.registry import CheckFamily, problems_result, qualifying_arms, register
 from harness.compare import CheckResult
 from harness.records import ArmRecords, RunRecords
 from harness.specs import ArmSpec, CheckSpec, SuiteSpec
-from harness.subject.protocol import GRAPH, TOKEN_EXCHANGE
+from harness.subject.protocol import GRAPH, TOKEN_EXCHANGE, SuiteReader
 
 KIND = "overlap"
 # The phases an eager arm's scheduler orders; its backward is autograd's.

@@ -53,11 +53,11 @@ import dataclasses
 from collections import Counter, defaultdict
 from collections.abc import Callable
 
-from harness.checks.registry import CheckFamily, Problem, SuiteReader, problems_result, qualifying_arms, register
+from harness.checks.registry import CheckFamily, Problem, problems_result, qualifying_arms, register
 from harness.compare import CheckResult
 from harness.records import RunRecords
 from harness.specs import ArmSpec, CheckSpec, SuiteSpec
-from harness.subject.protocol import PEC
+from harness.subject.protocol import PEC, SuiteReader
 
 KIND = "pec-invariants"
 NO_AUTOGRAD = "pec:no-autograd-start"

@@ -28,12 +28,12 @@ from __future__ import annotations
 import dataclasses
 
 from harness.checks.pairs import localised
-from harness.checks.registry import CheckFamily, SuiteReader, register
+from harness.checks.registry import CheckFamily, register
 from harness.compare import CheckResult, Exact, compare_arms
 from harness.digests import first_divergence
 from harness.records import RunRecords
 from harness.specs import ArmSpec, CheckSpec, SuiteSpec
-from harness.subject.protocol import GRADIENT_DIGESTS, METRICS
+from harness.subject.protocol import GRADIENT_DIGESTS, METRICS, SuiteReader
 
 KIND = "resume"
 METRIC_NAMES = ("loss", "grad_norm")

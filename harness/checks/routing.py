@@ -13,11 +13,11 @@ from __future__ import annotations
 
 from collections import Counter
 
-from harness.checks.registry import CheckFamily, SuiteReader, arm_list, problems_result, register
+from harness.checks.registry import CheckFamily, arm_list, problems_result, register
 from harness.compare import CheckResult
 from harness.records import ArmRecords, RunRecords
 from harness.specs import ArmSpec, CheckSpec, SuiteSpec
-from harness.subject.protocol import TOKEN_EXCHANGE
+from harness.subject.protocol import TOKEN_EXCHANGE, SuiteReader
 
 KIND = "routing-counts"
 

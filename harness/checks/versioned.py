@@ -17,11 +17,11 @@ import math
 from collections import defaultdict
 from collections.abc import Iterable
 
-from harness.checks.registry import CheckFamily, Problem, SuiteReader, problems_result, qualifying_arms, register
+from harness.checks.registry import CheckFamily, Problem, problems_result, qualifying_arms, register
 from harness.compare import CheckResult, format_steps
 from harness.records import RunRecords
 from harness.specs import ArmSpec, CheckSpec, SuiteSpec
-from harness.subject.protocol import VERSIONED
+from harness.subject.protocol import VERSIONED, SuiteReader
 
 EXACTLY_ONCE = "exactly-once"
 STALENESS_AGES = "staleness-ages"

@@ -14,13 +14,10 @@ import json
 import typing
 from collections.abc import Iterable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from harness.specs import ArmSpec
-from harness.subject.protocol import SuiteTables
-
-if TYPE_CHECKING:
-    from harness.checks.registry import SuiteReader
+from harness.subject.protocol import SuiteReader, SuiteTables
 
 
 def show(value: Any) -> str:

@@ -42,7 +42,6 @@ from harness.subject import protocol
 from harness.subject.config import dataclass_arms
 
 if TYPE_CHECKING:
-    from harness.checks.registry import SuiteReader
     from harness.specs import ArmSpec
 
 ROUTINGS = ("learned", "forced-balanced")
@@ -227,7 +226,7 @@ class Torchtitan:
         titan = (Path(found.origin).parent,) if found is not None and found.origin else ()
         self.source = (Path(__file__).resolve(), Path(oracles.__file__).resolve().parent / "torchtitan.py", *titan)
 
-    def parse_arms(self, tables: protocol.SuiteTables, reader: SuiteReader) -> dict[str, ArmSpec]:
+    def parse_arms(self, tables: protocol.SuiteTables, reader: protocol.SuiteReader) -> dict[str, ArmSpec]:
         if problem := oracles.missing_dependency("torchtitan"):
             raise reader.error("subject", problem)
         positive = ("local_batch", "seq_len", "lr", "max_norm")

@@ -26,7 +26,7 @@ import typing
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from harness import oracles
 from harness.reference.hf_config import HF_BASE, HFConfigError, hf_config_fields
@@ -37,9 +37,6 @@ from harness.reference.train import TRACED, TrainConfig
 from harness.specs import ArmSpec
 from harness.subject import protocol
 from harness.subject.config import display_path, field_types, show
-
-if TYPE_CHECKING:
-    from harness.checks.registry import SuiteReader
 
 # Setting any of these makes an arm versioned; any of the PEC ones makes its embedding a PEC table.
 PIPELINE_FIELDS = tuple(
@@ -145,14 +142,14 @@ class _Model:
     n_routed_experts: int
 
 
-def parse_arms(tables: protocol.SuiteTables, v: SuiteReader) -> dict[str, ArmSpec]:
+def parse_arms(tables: protocol.SuiteTables, v: protocol.SuiteReader) -> dict[str, ArmSpec]:
     """Every [arms.NAME] table over [train] and [model], as the reference's configs."""
     model = _model(tables.model, tables.suite_file, v)
     base = _train_table(tables.train, "train", tuple(TRAIN_FIELDS), v)
     return {v.name(arm, f"arms.{arm}"): _arm(arm, table, base, model, tables, v) for arm, table in tables.arms.items()}
 
 
-def _train_table(raw: Any, dotted: str, allowed: tuple[str, ...], v: SuiteReader) -> dict[str, Any]:
+def _train_table(raw: Any, dotted: str, allowed: tuple[str, ...], v: protocol.SuiteReader) -> dict[str, Any]:
     table = v.table(raw, dotted, allowed)
     return {
         k: v.typed(value, f"{dotted}.{k}", TRAIN_FIELDS[k], k in POSITIVE)
@@ -161,14 +158,14 @@ def _train_table(raw: Any, dotted: str, allowed: tuple[str, ...], v: SuiteReader
     }
 
 
-def _model_value(value: Any, dotted: str, key: str, v: SuiteReader) -> Any:
+def _model_value(value: Any, dotted: str, key: str, v: protocol.SuiteReader) -> Any:
     """One DeepseekV3Config field, typed by its annotation; null only where it allows None."""
     if value is None and key in _MODEL_NULLABLE:
         return None
     return v.typed(value, dotted, MODEL_FIELDS[key], key in _MODEL_POSITIVE)
 
 
-def _model(raw: Any, suite_file: Path, v: SuiteReader) -> _Model:
+def _model(raw: Any, suite_file: Path, v: protocol.SuiteReader) -> _Model:
     """[model]: ``config``, a named config or a Hugging Face config.json, then any DeepseekV3Config
     fields replacing its values. A field that makes the model invalid is named where it was set."""
     if not isinstance(raw, dict):
@@ -179,7 +176,7 @@ def _model(raw: Any, suite_file: Path, v: SuiteReader) -> _Model:
             hint = f"did you mean {near[0]}? " if near else ""
             raise v.error(f"model.{key}", f"unknown key ({hint}allowed: config and the DeepseekV3Config fields)")
     shown = v.str_(raw.get("config", TrainConfig.model), "model.config")
-    where: dict[str, tuple[SuiteReader, str]] = {}  # field -> the reader of its file, its dotted key
+    where: dict[str, tuple[protocol.SuiteReader, str]] = {}  # field -> the reader of its file, its dotted key
     if shown in CONFIGS:
         name, values = shown, {}
     elif shown.endswith(".json") or "/" in shown:
@@ -204,7 +201,7 @@ def _model(raw: Any, suite_file: Path, v: SuiteReader) -> _Model:
 
 
 def _hf_config(
-    shown: str, suite_file: Path, where: dict[str, tuple[SuiteReader, str]], v: SuiteReader
+    shown: str, suite_file: Path, where: dict[str, tuple[protocol.SuiteReader, str]], v: protocol.SuiteReader
 ) -> dict[str, Any]:
     """The fields a Hugging Face config.json sets, typed; errors name the JSON file and key.
     A relative path is relative to the suite file, or to the working directory from --set."""
@@ -232,7 +229,7 @@ def _hf_config(
 
 
 def _arm(
-    name: str, raw: Any, base: dict[str, Any], model: _Model, tables: protocol.SuiteTables, v: SuiteReader
+    name: str, raw: Any, base: dict[str, Any], model: _Model, tables: protocol.SuiteTables, v: protocol.SuiteReader
 ) -> ArmSpec:
     """One [arms.NAME] table over [train]; its ``model``, a named config, replaces [model]'s
     ``config`` and keeps [model]'s field overrides."""
@@ -300,7 +297,7 @@ def _arm(
 
 
 def _resume(
-    raw: dict, dotted: str, config: TrainConfig, oracle: str | None, steps: int, v: SuiteReader
+    raw: dict, dotted: str, config: TrainConfig, oracle: str | None, steps: int, v: protocol.SuiteReader
 ) -> tuple[int | None, int | None]:
     """``resume_at`` (a step in 1..steps-1: the save) and ``resume_ranks`` (the processes that load,
     dividing the EP degree), for an arm whose whole state a checkpoint holds: a plain, versioned or
@@ -325,7 +322,7 @@ def _resume(
     return at, ranks
 
 
-def _oracle(value: Any, dotted: str, config: TrainConfig, v: SuiteReader) -> str:
+def _oracle(value: Any, dotted: str, config: TrainConfig, v: protocol.SuiteReader) -> str:
     """An oracle the arm's configuration has a counterpart in, and whose package is installed."""
     oracle = v.str_(value, dotted, tuple(oracles.ORACLES))
     problem = UNSUPPORTED_BY[oracle](config) or oracles.missing_dependency(oracle)
@@ -385,7 +382,7 @@ def unsupported_by_torchrec(config: TrainConfig) -> str | None:
 UNSUPPORTED_BY = {"hf": unsupported_by_hf, "torchtitan": unsupported_by_torchtitan, "torchrec": unsupported_by_torchrec}
 
 
-def _pipeline(config: PipelineConfig, source: Callable[[str], str], steps: int, v: SuiteReader) -> None:
+def _pipeline(config: PipelineConfig, source: Callable[[str], str], steps: int, v: protocol.SuiteReader) -> None:
     """What the reference accepts but can never run: it would only fail inside the ranks."""
     if config.delay > config.max_gradient_staleness:
         # The backward of every batch after the fill would be refused (CommitRefused): reject it here, exit 2.
