@@ -37,7 +37,7 @@ def test_tiny_dp_runs_every_check_it_can_feed_and_matches_its_golden(run_harness
         assert len(read_jsonl(out / "arms" / "bucket" / f"ranks.rank{logical_rank}.jsonl")) == 10
     assert not list(out.glob("arms/*/events.rank*.jsonl"))  # no token exchange: nothing pretends there is
     arm = json.loads((out / "arms" / "bucket" / "arm.json").read_text())
-    assert arm["info"]["parameters"] > 0 and arm["train"]["sync"] == "bucket"
+    assert arm["facts"] == {} and arm["train"]["sync"] == "bucket"  # no family that needs a fact
     assert (out / "report.html").is_file() and (out / "junit.xml").is_file()
 
 

@@ -409,7 +409,7 @@ def check_pec(events: RankEvents, trainer: str, batches: int) -> list[CheckResul
 
 def _pec_trainer(spec: ArmSpec) -> str | None:
     """The trainer driving the arm's PEC table, or None for an arm without one."""
-    return spec.train["pec"] if spec.emits(PEC) else None
+    return spec.facts.pec if spec.emits(PEC) else None
 
 
 def parse(kind: str, raw: dict, dotted: str, v: SuiteReader, arms: dict[str, ArmSpec]) -> CheckSpec:

@@ -27,6 +27,7 @@ class ReferenceSubject:
 
     name = "reference"
     families = frozenset(protocol.FAMILIES)
+    capabilities = frozenset(protocol.CAPABILITIES)
     source = (Path(harness.reference.__file__).resolve().parent,)
     train_fields = TRAIN_FIELDS
 

@@ -76,6 +76,10 @@ BASE_FAMILIES = (
     protocol.FINAL_WEIGHTS,
     protocol.TOKEN_EXCHANGE,
 )
+# The module a chunk root names, by MoE layer (Hugging Face module names); see TrainConfig.chunk_roots.
+CHUNK_ROOTS = {"moe": "model.layers.{layer}.mlp", "block": "model.layers.{layer}"}
+# Fields that change how an arm trains, not what it computes: a resumed arm may differ from its straight one in them.
+HOW_ONLY = ("retention", "checkpoint_fault")
 
 
 def is_versioned(train: dict[str, Any]) -> bool:
@@ -129,6 +133,30 @@ def families(config: TrainConfig, oracle: str | None) -> tuple[str, ...]:
     elif oracle:  # the lockstep wrapper keeps the reference's weights to itself
         found = [f for f in found if f != protocol.FINAL_WEIGHTS] + [protocol.FIDELITY]
     return tuple(found)
+
+
+def arm_facts(config: TrainConfig) -> protocol.ArmFacts:
+    """What the checks know of an arm of this config: its MoE layers and their chunk roots, how its
+    tokens are exchanged and routed, and a delayed pipeline's or a PEC table's trainer."""
+    model = config.model_config()
+    layers = tuple(layer for layer in range(model.num_hidden_layers) if model.is_moe_layer(layer))
+    pipeline = config if isinstance(config, PipelineConfig) else None
+    return protocol.ArmFacts(
+        moe_layers=layers,
+        chunks=config.chunks if config.chunking != "none" else 1,
+        num_buffer_sets=config.num_buffer_sets,
+        chunk_roots=tuple(CHUNK_ROOTS[config.chunk_roots].format(layer=layer) for layer in layers),
+        forced_balanced=config.routing == "forced-balanced",
+        experts_per_token=model.num_experts_per_tok,
+        tokens_per_step=config.local_batch * config.seq_len,
+        pipeline=pipeline.trainer if pipeline else None,
+        delay=pipeline.delay if pipeline else None,
+        correction=pipeline.correction if pipeline else None,
+        correction_clip=pipeline.correction_clip if pipeline else None,
+        recomputes=pipeline is not None and pipeline.retention == "replay",
+        pec=config.pec if isinstance(config, PECConfig) else None,
+        how_only=HOW_ONLY,
+    )
 
 
 @dataclass(frozen=True)
@@ -293,6 +321,7 @@ def _arm(
         oracle=oracle,
         resume_at=resume_at,
         resume_ranks=resume_ranks,
+        facts=arm_facts(config),
     )
 
 
