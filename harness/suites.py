@@ -169,9 +169,8 @@ class _Validator:
             raise SubjectFault(f"{self.shown}: {subject}: parse_arms raised: {where}") from None
         for name, arm in arms.items():
             if arm.resume_at is not None and CHECKPOINT not in self.subject.capabilities:
-                raise self.error(
-                    f"arms.{name}.resume_at", f"{subject} does not declare {CHECKPOINT}: no arm of it resumes"
-                )
+                why = f"{subject} does not declare the {CHECKPOINT} capability: no arm of it resumes"
+                raise self.error(f"arms.{name}.resume_at", why)
         return arms
 
     # --- overrides -------------------------------------------------------------------------

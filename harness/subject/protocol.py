@@ -8,7 +8,7 @@ trainer a user brings (``"package.module:factory"``, or an entry point of the gr
    subject's own fields: :meth:`Subject.parse_arms` validates them with the suite's typed readers
    (so a mistake names the file and the dotted field like any other) and returns one
    :class:`~harness.specs.ArmSpec` per arm: its process count, its config as plain JSON (what the
-   ranks build from), the record families it emits and its seed.
+   ranks build from), the record families it emits, its seed and its :class:`ArmFacts`.
 2. **Build an arm** inside each rank process, once ``torch.distributed`` is initialised
    (:meth:`Subject.build`, given an :class:`ArmContext`), and train it: :meth:`Arm.step` returns a
    :class:`StepRecord` per optimizer update; :meth:`Arm.drain` returns those still in flight at
@@ -17,12 +17,22 @@ trainer a user brings (``"package.module:factory"``, or an entry point of the gr
    record family below. The harness writes the files (``harness/rundir.py`` names them) and judges
    them; a subject never judges itself.
 
+A subject that records only metrics is :class:`SubjectBase` with ``parse_arms`` and ``build``, and
+an :class:`ArmBase` with ``step``: the bases hold every default.
+
 Record families. Every check family declares the families it reads
 (:class:`~harness.checks.registry.CheckFamily`), and a suite whose check reads a family its arm
-cannot emit is refused at load (exit 2), naming the check and the subject. Every record a rank
-receives is checked there before it is written (:mod:`harness.seam`): a record no run could have
-made (a step the run did not ask for, one missing, repeated or out of order, negative or NaN tokens
-or seconds, a logical rank the process does not host) is :class:`BadRecord`, the subject's fault.
+cannot emit is refused at load (exit 2), naming the check and the subject. The checks know an arm
+through its typed :class:`ArmFacts` alone, never through its config: a family's checks need some
+(:data:`FAMILY_FACTS`), and a check reading a family of an arm that lacks one is refused at load
+too, naming the family and the fact. Optional parts are declared, never probed for: the families
+of an arm (``ArmSpec.families``) decide which of its record methods the worker calls, and a
+subject's ``capabilities`` (:data:`CAPABILITIES`) which of its optional parts the harness uses.
+
+Every record a rank receives is checked there before it is written (:mod:`harness.seam`): a record
+no run could have made (a step the run did not ask for, one missing, repeated or out of order,
+negative or NaN tokens or seconds, a logical rank the process does not host, a family the arm does
+not declare) is :class:`BadRecord`, the subject's fault.
 
 Whose fault, and its exit code, when the subject's own code fails in the harness process (loading):
 
