@@ -3,8 +3,8 @@
 Runs each arm of the group in turn, built by the suite's subject (harness/subject/) from a fresh
 seed, and writes what it records (``harness/rundir.py`` names every file): ``metrics.jsonl`` (one
 :class:`~harness.subject.protocol.StepRecord` a line) and ``digests.jsonl`` (process rank 0, for
-logical rank 0), ``arm.json`` (the arm's config, what the built arm says of itself, the CPU kernel
-ISA) and ``graph.json`` (a traced arm's exchange ops; process rank 0), and per logical rank
+logical rank 0), ``arm.json`` (the arm's config, its facts as declared and as the built arm adds them, the
+CPU kernel ISA) and ``graph.json`` (a traced arm's exchange ops; process rank 0), and per logical rank
 ``events.rank<k>.jsonl``, ``ranks.rank<k>.jsonl`` and ``pec.rank<k>.jsonl`` (the process hosting
 it). Every line is flushed, so a crash leaves every finished step on disk. After the arm's last
 update each process writes its logical ranks' ``weights.rank<k>.json``: a hash of each parameter
