@@ -21,7 +21,6 @@ import os
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
-from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
@@ -33,7 +32,6 @@ from harness.subject import protocol
 from harness.subject.config import dataclass_arms
 
 if TYPE_CHECKING:
-    from harness.checks.registry import SuiteReader
     from harness.specs import ArmSpec
 
 SYNCS = ("bucket", "per-parameter")
@@ -88,7 +86,7 @@ def synthetic_batch(config: TinyConfig, step: int, rank: int) -> tuple[torch.Ten
     return tokens[:, :-1], tokens[:, 1:]
 
 
-class TinyDPArm:
+class TinyDPArm(protocol.ArmBase):
     """One data-parallel rank of an arm (this process's)."""
 
     def __init__(self, context: protocol.ArmContext) -> None:
@@ -140,34 +138,18 @@ class TinyDPArm:
         for g in grads:
             g.div_(self.world)
 
-    def drain(self) -> list[protocol.StepRecord]:
-        return []
-
-    def info(self) -> dict:
-        return {"parameters": sum(p.numel() for p in self.model.parameters())}
-
-    def graph_export(self) -> None:
-        return None
-
-    def graph_build(self) -> None:
-        return None
-
     def final_weights(self) -> Mapping[int, Mapping[str, torch.Tensor]]:
         return {self.rank: dict(self.model.named_parameters())}
 
-    def close(self) -> None:
-        pass
 
-
-class TinyDP:
+class TinyDP(protocol.SubjectBase):
     """The subject: its arms are :class:`TinyConfig` tables, one logical rank per process."""
 
     name = "tiny-dp"
     families = frozenset({protocol.METRICS, protocol.RANK_UPDATES, protocol.GRADIENT_DIGESTS, protocol.FINAL_WEIGHTS})
-    source = (Path(__file__).resolve(),)
     train_fields = {f: type(v) for f, v in TinyConfig().__dict__.items()}
 
-    def parse_arms(self, tables: protocol.SuiteTables, reader: SuiteReader) -> dict[str, ArmSpec]:
+    def parse_arms(self, tables: protocol.SuiteTables, reader: protocol.SuiteReader) -> dict[str, ArmSpec]:
         positive = ("vocab", "hidden", "layers", "local_batch", "seq_len", "lr", "max_norm")
         return dataclass_arms(tables, reader, TinyConfig, self.families, positive, subject=f'subject "{self.name}"')
 

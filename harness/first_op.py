@@ -50,6 +50,7 @@ from harness.records import RecordError, RunRecords, read_jsonl
 from harness.results import CheckResult
 from harness.rundir import FIRST_OP_DIR, RunDirError, arm_files, fresh_dir
 from harness.specs import DebugSpec, SuiteSpec
+from harness.subject.protocol import RECORD_OPS
 
 MODES = ("auto", "on", "off")
 MODE_ENV = "HARNESS_FIRST_OP"  # the default of --first-op
@@ -133,8 +134,11 @@ def _locate(
 
 def _refuse_before_launching(run: PreparedRun, a: str, b: str) -> None:
     """What can be refused from the suite alone, before any process starts."""
-    if not hasattr(run.subject, "record_ops"):
-        raise NotLocated("refused", f"subject {run.subject.name!r} has no record_ops hook: its ops cannot be recorded")
+    if RECORD_OPS not in run.subject.capabilities:
+        raise NotLocated(
+            "refused",
+            f"subject {run.subject.name!r} does not declare {RECORD_OPS}: its ops cannot be recorded",
+        )
     arms = run.suite.arms
     for arm in (a, b):
         spec = arms[arm]

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 from harness.files import naming_file
 from harness.rundir import THROUGHPUT, arm_files
+from harness.subject.protocol import ArmFacts
 
 if TYPE_CHECKING:
     import pandas as pd
@@ -186,7 +187,7 @@ class ArmRecords:
     events: dict[int, list[dict]] = field(default_factory=dict)  # logical rank -> token-exchange events
     ranks: dict[int, list[RankLine]] = field(default_factory=dict)  # logical rank -> its loss, grad norm, hashes
     digests: list[DigestLine] = field(default_factory=list)  # logical rank 0's gradient and parameter digests
-    info: dict = field(default_factory=dict)  # arm.json's facts of the built arm (Arm.info): MoE layers, chunk roots
+    facts: ArmFacts | None = None  # arm.json's facts (ArmFacts: declared, and the built arm's); None: no arm.json
     graph: dict | None = None  # graph.json of a traced arm: its scheduled exchange ops; None if absent
     cpu_capability: str | None = None  # the ISA ATen dispatched to in the arm's ranks
     final_weights: dict[int, dict] = field(default_factory=dict)  # logical rank -> digests after the last update
@@ -196,11 +197,6 @@ class ArmRecords:
 
     def steps_done(self) -> int:
         return len(self.metrics)
-
-    @property
-    def moe_layers(self) -> list[int] | None:
-        """The MoE layers the arm recorded (``arm.json``); None when it recorded none."""
-        return self.info.get("moe_layers")
 
 
 def _read_if_there(path: Path) -> list[dict]:
@@ -217,7 +213,7 @@ def read_arm(run_dir: Path, arm: str, logical_ranks: int) -> ArmRecords:
             records.metrics = read_metrics_records(records.updates, files.metrics)
         if files.arm.is_file():
             arm_info = json.loads(files.arm.read_text())
-            records.info = arm_info.get("info", {})
+            records.facts = ArmFacts.from_json(arm_info.get("facts", {}))
             records.cpu_capability = arm_info.get("cpu_capability")
         if files.graph.is_file():
             records.graph = json.loads(files.graph.read_text())

@@ -13,8 +13,10 @@ defines (harness/subject/protocol.py) is held to what the run asked for, here an
 * ``Recorder`` calls: ``logical_rank`` one this process hosts; ``step`` a step of the run, each
   logical rank's in increasing order per family; a ``RankUpdate`` of numbers and name -> tensor
   mappings; gradients name -> tensor; events and fidelity lines JSON objects with string keys.
-* ``Arm.final_weights``: logical ranks this process hosts, each name -> tensor; ``Arm.info`` and
-  ``Arm.graph_export``: JSON objects (or None for the graph).
+* ``Arm.final_weights``: logical ranks this process hosts, each name -> tensor; ``Arm.info``: an
+  ``ArmFacts``; ``Arm.graph_export`` and ``graph_build``: JSON objects.
+* A record of a family the arm does not declare (``ArmSpec.families``): the checks would never read it,
+  so it is no record at all (a ``Recorder.exchange_event`` from an arm without ``token-exchange``).
 
 A record that breaks a rule raises :class:`~harness.subject.protocol.BadRecord` in the rank, one
 line naming the arm, the rank and the record; triage.py counts it as the subject's fault (exit 1).
@@ -24,23 +26,38 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from typing import Any, NoReturn
 
 import torch
 
-from harness.subject.protocol import BadRecord, RankUpdate, StepRecord
+from harness.subject.protocol import (
+    FAMILIES,
+    FIDELITY,
+    GRADIENT_DIGESTS,
+    PEC,
+    RANK_UPDATES,
+    TOKEN_EXCHANGE,
+    ArmFacts,
+    BadRecord,
+    RankUpdate,
+    StepRecord,
+)
 
 _STEP_FIELDS = ("step", "loss", "grad_norm", "tokens", "step_time_s")
 
 
 class ReceivedRecords:
     """The rules above for one arm in one rank. ``hosted``: the logical ranks this process hosts;
-    ``steps``: the run's; ``first``: the step the arm's next StepRecord must carry."""
+    ``steps``: the run's; ``first``: the step the arm's next StepRecord must carry; ``families``: those
+    the arm declares."""
 
-    def __init__(self, arm: str, rank: int, hosted: range, steps: int, first: int = 1) -> None:
+    def __init__(
+        self, arm: str, rank: int, hosted: range, steps: int, first: int = 1, families: Iterable[str] = FAMILIES
+    ) -> None:
         self.where = f"arm '{arm}', rank {rank}"
         self.hosted, self.steps, self.next = hosted, steps, first
+        self.families = frozenset(families)
         self._last: dict[tuple[str, int], int] = {}  # (family, logical rank) -> its last step
 
     def step_record(self, record: object) -> StepRecord:
@@ -71,6 +88,7 @@ class ReceivedRecords:
             self._bad(f"the arm ended after StepRecord step {self.next - 1}, the run asked for {self.steps} steps")
 
     def rank_update(self, logical_rank: int, step: int, update: object) -> None:
+        self._declared(RANK_UPDATES, "rank_update")
         what = self._recorded("rank_update", logical_rank, step)
         if not isinstance(update, RankUpdate):
             self._bad(f"{what}: got {type(update).__name__}, expected a RankUpdate")
@@ -80,13 +98,16 @@ class ReceivedRecords:
         self._tensors(update.sharded, f"{what}: sharded")
 
     def gradients(self, logical_rank: int, step: int, grads: object) -> None:
+        self._declared(GRADIENT_DIGESTS, "gradients")
         self._tensors(grads, self._recorded("gradients", logical_rank, step))
 
     def event(self, family: str, logical_rank: int, event: object) -> None:
         """An ``exchange_event`` or ``pec_event`` (``family``) of ``logical_rank``."""
+        self._declared(TOKEN_EXCHANGE if family == "exchange_event" else PEC, family)
         self._json(event, f"{family} of logical rank {self._hosted(logical_rank, family)}", mapping=True)
 
     def fidelity(self, record: object) -> None:
+        self._declared(FIDELITY, "fidelity")
         self._json(record, "fidelity record", mapping=True)
 
     def final_weights(self, weights: object) -> Mapping[int, Mapping[str, torch.Tensor]]:
@@ -96,14 +117,24 @@ class ReceivedRecords:
             self._tensors(parameters, f"final_weights of logical rank {self._hosted(logical_rank, 'final_weights')}")
         return weights
 
-    def info(self, info: object) -> dict[str, Any]:
-        self._json(info, "Arm.info()", mapping=True)
-        return info  # type: ignore[return-value]
+    def info(self, facts: object) -> ArmFacts:
+        if not isinstance(facts, ArmFacts):
+            self._bad(f"Arm.info() returned {type(facts).__name__}, expected ArmFacts")
+        self._json(facts.to_json(), "Arm.info()", mapping=True)
+        return facts
 
-    def graph(self, graph: object) -> dict[str, Any] | None:
-        if graph is not None:
-            self._json(graph, "Arm.graph_export()", mapping=True)
+    def graph(self, graph: object) -> Mapping[str, Any]:
+        self._json(graph, "Arm.graph_export()", mapping=True)
         return graph  # type: ignore[return-value]
+
+    def graph_build(self, build: object) -> Mapping[str, Any]:
+        self._json(build, "Arm.graph_build()", mapping=True)
+        return build  # type: ignore[return-value]
+
+    def _declared(self, family: str, call: str) -> None:
+        if family not in self.families:
+            declared = ", ".join(sorted(self.families))
+            self._bad(f"{call}: the arm does not declare the {family} family (it declares: {declared})")
 
     def _recorded(self, family: str, logical_rank: int, step: object) -> str:
         """The name of a Recorder call's record, once its logical rank and step are checked."""

@@ -12,6 +12,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from harness.subject.protocol import ArmFacts
+
 
 @dataclass(frozen=True)
 class ArmSpec:
@@ -21,7 +23,8 @@ class ArmSpec:
     what a golden is recorded for (its fields set away from their defaults); ``dtype`` goes into the
     environment key of its goldens; ``oracle`` names an implementation it trains in lockstep with.
     ``resume_at`` k: the arm trains steps 1..k, saves a checkpoint and ends its processes; a fresh
-    launch of ``resume_ranks`` processes (default ``ranks``) loads it and trains k+1 onwards."""
+    launch of ``resume_ranks`` processes (default ``ranks``) loads it and trains k+1 onwards. ``facts``
+    are what the checks know of it beyond its records (the checks read them, never ``train``)."""
 
     name: str
     ranks: int
@@ -34,17 +37,18 @@ class ArmSpec:
     oracle: str | None = None
     resume_at: int | None = None
     resume_ranks: int | None = None
+    facts: ArmFacts = ArmFacts()
 
     def emits(self, family: str) -> bool:
         return family in self.families
 
     def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self) | {"families": list(self.families)}
+        return dataclasses.asdict(self) | {"families": list(self.families), "facts": self.facts.to_json()}
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any]) -> ArmSpec:
         """An arm as manifest.json records it, for the ranks."""
-        return cls(**{**raw, "families": tuple(raw["families"])})
+        return cls(**{**raw, "families": tuple(raw["families"]), "facts": ArmFacts.from_json(raw.get("facts", {}))})
 
 
 @dataclass(frozen=True)

@@ -9,7 +9,9 @@ The suite's system under test is its ``subject`` (``"reference"`` by default; se
 :mod:`harness.subject`). Its ``[model]``, ``[train]`` and ``[arms.NAME]`` tables are the subject's
 own fields, which it parses with the typed readers here; everything else (checks, golden, debug,
 throughput, expectations) is the harness's. A check that reads a record family its arm cannot emit
-(:mod:`harness.subject.protocol`) is refused, naming the check and the subject.
+(:mod:`harness.subject.protocol`), or whose arm lacks the facts that family's checks need
+(``ArmFacts``), is refused, naming the check, the family and the subject; so is a resumed arm of
+a subject that does not declare the ``checkpoint`` capability.
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ from harness.shipped import shipped_dir
 from harness.specs import ArmSpec, CheckSpec, DebugSpec, SuiteSpec, ThroughputSpec
 from harness.subject import DEFAULT, Subject, SubjectError, SubjectFault, load_subject, raised_in
 from harness.subject.config import display_path, show
-from harness.subject.protocol import SuiteTables
+from harness.subject.protocol import CHECKPOINT, SuiteTables
 
 # The shipped suites; --suites-dir names a folder of the user's own instead.
 SUITES_DIR = shipped_dir("suites")
@@ -157,7 +159,7 @@ class _Validator:
         else its bug (SubjectFault, exit 1), named by where in its code (harness/subject/protocol.py)."""
         subject = f"subject {show(self.subject.name)}"
         try:
-            return self.subject.parse_arms(tables, self)
+            arms = self.subject.parse_arms(tables, self)
         except SuiteError:
             raise
         except (SubjectError, ValueError) as e:
@@ -165,6 +167,11 @@ class _Validator:
         except Exception as e:
             where = raised_in(e, self.subject.source)
             raise SubjectFault(f"{self.shown}: {subject}: parse_arms raised: {where}") from None
+        for name, arm in arms.items():
+            if arm.resume_at is not None and CHECKPOINT not in self.subject.capabilities:
+                why = f"{subject} does not declare the {CHECKPOINT} capability: no arm of it resumes"
+                raise self.error(f"arms.{name}.resume_at", why)
+        return arms
 
     # --- overrides -------------------------------------------------------------------------
 
@@ -404,6 +411,7 @@ class _Validator:
                 f"{kind} reads {', '.join(unfed)} records, which subject {show(self.subject.name)} does not emit"
                 f" (it emits: {', '.join(sorted(self.subject.families))})",
             )
+        self.refuse_missing_facts(kind, raw, dotted, arms)
         check = family.parse(kind, raw, dotted, self, arms)
         for arm in check.arms:
             missing = sorted(set(family.reads_of(kind)) - set(arms[arm].families))
@@ -414,6 +422,19 @@ class _Validator:
                     f" {show(self.subject.name)} does not emit",
                 )
         return check
+
+    def refuse_missing_facts(self, kind: str, raw: dict, dotted: str, arms: dict[str, ArmSpec]) -> None:
+        """Refuses a check that reads a record family of an arm (one it lists, or any) whose facts lack
+        what that family's checks need (ArmFacts.needs): they could judge nothing, or would crash."""
+        listed = raw.get("arms") if isinstance(raw.get("arms"), list) else list(arms)
+        for arm, spec in arms.items():
+            for family in FAMILIES[kind].reads_of(kind) if arm in listed else ():
+                if spec.emits(family) and (missing := spec.facts.missing(family, spec.families)):
+                    raise self.error(
+                        f"{dotted}.kind",
+                        f"{kind} reads {family} records, whose checks need the facts {', '.join(missing)}, which arm"
+                        f' "{arm}" of subject {show(self.subject.name)} does not declare (ArmSpec.facts)',
+                    )
 
     def check_name(self, value: Any, dotted: str) -> str:
         """Check names label reports and plots: no markup, path or shell characters."""

@@ -134,7 +134,7 @@ def _trained(records: ArmRecords, group: LaunchGroup) -> bool:
     """Whether the arm trained in ``group``: a step recorded, or in a resumed arm's second launch,
     whose first launch recorded steps already, its checkpoint loaded (arm.json's ``resumed_from``)."""
     if group.checkpoint == "load":
-        return records.info.get("resumed_from") is not None
+        return records.facts is not None and records.facts.resumed_from is not None
     return bool(records.steps_done())
 
 

@@ -3,8 +3,8 @@
 Runs each arm of the group in turn, built by the suite's subject (harness/subject/) from a fresh
 seed, and writes what it records (``harness/rundir.py`` names every file): ``metrics.jsonl`` (one
 :class:`~harness.subject.protocol.StepRecord` a line) and ``digests.jsonl`` (process rank 0, for
-logical rank 0), ``arm.json`` (the arm's config, what the built arm says of itself, the CPU kernel
-ISA) and ``graph.json`` (a traced arm's exchange ops; process rank 0), and per logical rank
+logical rank 0), ``arm.json`` (the arm's config, its facts as declared and as the built arm adds them, the
+CPU kernel ISA) and ``graph.json`` (a traced arm's exchange ops; process rank 0), and per logical rank
 ``events.rank<k>.jsonl``, ``ranks.rank<k>.jsonl`` and ``pec.rank<k>.jsonl`` (the process hosting
 it). Every line is flushed, so a crash leaves every finished step on disk. After the arm's last
 update each process writes its logical ranks' ``weights.rank<k>.json``: a hash of each parameter
@@ -67,7 +67,15 @@ from harness.rundir import THROUGHPUT, ArmFiles, arm_files, phases_file
 from harness.seam import ReceivedRecords
 from harness.specs import ArmSpec, DebugSpec, SuiteSpec
 from harness.subject import Subject, subject_of
-from harness.subject.protocol import Arm, ArmContext, OpsNotRecordable, RankUpdate, StepRecord
+from harness.subject.protocol import (
+    FINAL_WEIGHTS,
+    GRAPH,
+    Arm,
+    ArmContext,
+    OpsNotRecordable,
+    RankUpdate,
+    StepRecord,
+)
 from harness.throughput import stop_reason
 from harness.trust import make_private_folders
 
@@ -338,18 +346,11 @@ def _recording_ops(
         write_captured(files.captured(rank), recorder.captured or [])
 
 
-def _checkpointing(arm: Arm, spec: ArmSpec) -> Any:
-    """The arm, which must checkpoint (``Arm.save_checkpoint`` and ``load_checkpoint``)."""
-    if not all(hasattr(arm, m) for m in ("save_checkpoint", "load_checkpoint")):
-        raise TypeError(f"arm {spec.name!r} sets resume_at, but its subject's arm does not checkpoint")
-    return arm
-
-
 def _received(spec: ArmSpec, steps: int, first: int = 1) -> ReceivedRecords:
     """The checks of what the arm hands this rank (harness/seam.py): process p of P hosts logical
     ranks [p*L/P, (p+1)*L/P) of L; ``first``: the step its next StepRecord must carry."""
     rank, per = dist.get_rank(), spec.logical_ranks // dist.get_world_size()
-    return ReceivedRecords(spec.name, rank, range(rank * per, (rank + 1) * per), steps, first)
+    return ReceivedRecords(spec.name, rank, range(rank * per, (rank + 1) * per), steps, first, spec.families)
 
 
 def _next_update(files: ArmFiles, segment: Segment) -> int:
@@ -396,19 +397,19 @@ def run_arm(
         with phases.phase("build", arm=spec.name) as build:
             arm = subject.build(ArmContext(spec, device, steps, None if ops is not None else recorder, cache_dir))
             stack.callback(arm.close)
-            if arm.graph_build() is not None:
-                build["graph"] = arm.graph_build()
-        if segment.checkpoint == "load":
+            if spec.emits(GRAPH):
+                build["graph"] = received.graph_build(arm.graph_build())
+        if segment.checkpoint == "load":  # a subject that cannot checkpoint was refused at load
             with phases.phase("load", arm=spec.name):
                 if debug.checkpoint_damage:
                     _damage_checkpoint(files.checkpoint, debug.checkpoint_damage, rank)
-                _checkpointing(arm, spec).load_checkpoint(files.checkpoint, segment.first_step - 1)
+                arm.load_checkpoint(files.checkpoint, segment.first_step - 1)
         if rank == 0:
             isa = torch.backends.cpu.get_cpu_capability().lower()
-            info = received.info(arm.info())
-            write_json_atomic(files.arm, {"train": spec.train, "cpu_capability": isa, "info": info})
-            if received.graph(arm.graph_export()) is not None:
-                write_json_atomic(files.graph, arm.graph_export())
+            facts = spec.facts.updated(received.info(arm.info()))
+            write_json_atomic(files.arm, {"train": spec.train, "cpu_capability": isa, "facts": facts.to_json()})
+            if spec.emits(GRAPH):
+                write_json_atomic(files.graph, received.graph(arm.graph_export()))
         updates_done, last_update = 0, segment.first_step - 1
         recording = _recording_ops(subject, arm, files, spec.name, steps, ops.capture) if ops is not None else None
         with phases.phase("steps", arm=spec.name) as detail, recording or contextlib.nullcontext() as op_recorder:
@@ -437,12 +438,13 @@ def run_arm(
                 received.all_drained()
         if segment.checkpoint == "save":
             with phases.phase("save", arm=spec.name):
-                _checkpointing(arm, spec).save_checkpoint(files.checkpoint, last)
+                arm.save_checkpoint(files.checkpoint, last)
             return
         with phases.phase("finish", arm=spec.name):
             # The last update's own step: a pipeline's updates trail its batches, so a resumed
             # launch of one makes more updates than it has steps.
-            for logical_rank, parameters in received.final_weights(arm.final_weights()).items():
+            weights = received.final_weights(arm.final_weights()) if spec.emits(FINAL_WEIGHTS) else {}
+            for logical_rank, parameters in weights.items():
                 write_json_atomic(files.weights(logical_rank), final_weights(parameters, last_update))
 
 

@@ -3,15 +3,19 @@ reference writes them, scheduled with or without overlap, for the graph and over
 
 from __future__ import annotations
 
+from harness.subject.protocol import ArmFacts
+
 MOE_LAYERS = (1, 2)
 MOE_ROOT = "model.layers.{layer}.mlp"
 
 
-def arm_info(layers: list[int] | tuple[int, ...] | None = MOE_LAYERS, root: str = MOE_ROOT) -> dict:
-    """An arm.json's ``info`` as a reference arm writes it: its MoE layers and each one's chunk root."""
+def arm_facts(layers: list[int] | tuple[int, ...] | None = MOE_LAYERS, root: str = MOE_ROOT) -> ArmFacts:
+    """An arm.json's facts as a reference arm of two chunks on two buffer sets writes them: its MoE
+    layers and each one's chunk root (none known: ``layers`` None)."""
     if layers is None:
-        return {}
-    return {"moe_layers": list(layers), "chunk_roots": [root.format(layer=layer) for layer in layers]}
+        return ArmFacts(chunks=2, num_buffer_sets=2)
+    roots = tuple(root.format(layer=layer) for layer in layers)
+    return ArmFacts(moe_layers=tuple(layers), chunks=2, num_buffer_sets=2, chunk_roots=roots)
 
 
 # Each direction of a MoE layer exchanges twice per chunk, each a launch then its wait.

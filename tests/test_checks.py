@@ -45,7 +45,7 @@ def test_token_exchange_fails_an_arm_without_recorded_moe_layers(tmp_path: Path)
         ("graph: token-exchange", "fail"),
     ]
     assert results[0].detail == "arm 'eager' has no arm.json with its MoE layers: no exchange to check"
-    records["eager"].info = {"moe_layers": [1, 2]}
+    records["eager"].facts = suite.arms["eager"].facts
     eager = run_check(suite.checks[0], suite, records)[:4]
     assert {r.status for r in eager} == {"fail"} and "no token-exchange events recorded" in eager[0].detail
 

@@ -7,7 +7,7 @@ import json
 from pathlib import Path
 
 import pytest
-from exported_graphs import OVERLAPPED, arm_info, exported_graph
+from exported_graphs import OVERLAPPED, arm_facts, exported_graph
 from suite_files import suite_from
 
 from harness.checks import run_check
@@ -24,7 +24,7 @@ from harness.results import CheckResult
 from harness.suites import SuiteError
 
 ROOTS = ["model.layers.1.mlp", "model.layers.2.mlp"]
-REGIONS = expected_regions(arm_info([1, 2])["chunk_roots"])  # (root, direction) x 2 MoE layers
+REGIONS = expected_regions(list(arm_facts([1, 2]).chunk_roots))  # (root, direction) x 2 MoE layers
 SUITE = """
 name = "mini"
 description = "a traced arm"
@@ -44,7 +44,7 @@ kind = "graph-invariants"
 
 def _judge(tmp_path: Path, graph: dict | None, moe_layers: list[int] | None = [1, 2]) -> dict[str, CheckResult]:
     suite = suite_from(tmp_path, SUITE)
-    records = {"eager": ArmRecords(), "graph": ArmRecords(info=arm_info(moe_layers), graph=graph)}
+    records = {"eager": ArmRecords(), "graph": ArmRecords(facts=arm_facts(moe_layers), graph=graph)}
     return {r.name: r for r in run_check(suite.checks[0], suite, records)}
 
 
@@ -154,7 +154,7 @@ def test_the_verdicts_the_reference_writes_are_not_read(tmp_path: Path) -> None:
     arm_dir = tmp_path / "run" / "arms" / "graph"
     arm_dir.mkdir(parents=True)
     verdicts = [{"name": "graph:buffer-sets", "status": "pass", "detail": "fine", "problems": []}]
-    (arm_dir / "arm.json").write_text(json.dumps({"info": arm_info([1, 2]), "graph_checks": verdicts}))
+    (arm_dir / "arm.json").write_text(json.dumps({"facts": arm_facts([1, 2]).to_json(), "graph_checks": verdicts}))
     repeated = {"nodes": [{**n, "buffer_set": 0} for n in exported_graph()["nodes"]]}
     (arm_dir / "graph.json").write_text(json.dumps(repeated))
     suite = suite_from(tmp_path, SUITE)

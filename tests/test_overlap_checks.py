@@ -6,7 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from exported_graphs import MOE_LAYERS, OVERLAPPED, SERIAL, arm_info, exchange_events, exported_graph
+from exported_graphs import MOE_LAYERS, OVERLAPPED, SERIAL, arm_facts, exchange_events, exported_graph
 from suite_files import suite_from
 
 from harness.checks import run_check
@@ -39,8 +39,8 @@ def _judge(tmp_path: Path, graph: dict | None, events: dict[int, list[dict]]) ->
     layers = list(MOE_LAYERS)
     records = {
         "plain": ArmRecords(),
-        "eager": ArmRecords(events=events, info=arm_info(layers)),
-        "graph": ArmRecords(graph=graph, info=arm_info(layers)),
+        "eager": ArmRecords(events=events, facts=arm_facts(layers)),
+        "graph": ArmRecords(graph=graph, facts=arm_facts(layers)),
     }
     return {r.name: r for r in run_check(suite.checks[0], suite, records)}
 
@@ -101,7 +101,7 @@ def test_absent_records_fail_and_malformed_events_are_an_error(tmp_path: Path) -
 
 
 def test_an_arm_whose_schedule_promises_no_overlap_is_refused(tmp_path: Path) -> None:
-    with pytest.raises(SuiteError, match=r'checks\.0\.arms\.0: arm "plain" is not chunked \(chunking = "none"\)'):
+    with pytest.raises(SuiteError, match=r'checks\.0\.arms\.0: arm "plain" is not chunked \(its facts: chunks = 1\)'):
         suite_from(tmp_path, SUITE + 'arms = ["plain"]\n')
     one_set = SUITE.replace('chunking = "eager"', 'chunking = "eager"\nnum_buffer_sets = 1')
     with pytest.raises(SuiteError, match=r"arm \"eager\" promises no overlap: chunks = 2, num_buffer_sets = 1"):

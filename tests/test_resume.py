@@ -34,6 +34,7 @@ from harness.reference.pipeline import PipelineConfig, VersionedTrainer
 from harness.reference.train import TrainConfig, Trainer
 from harness.results import CheckResult
 from harness.specs import CheckSpec
+from harness.subject.protocol import ArmFacts
 from harness.suites import load_suite
 from harness.trust import mode_of, tag, user_key
 
@@ -572,7 +573,7 @@ def _results(resumed_info: dict, straight_losses: list[float], resumed_losses: l
         suite = suite_from(Path(tmp), MINI)
     records = {
         "straight": ArmRecords(metrics=metrics(straight_losses)),
-        "resumed": ArmRecords(metrics=metrics(resumed_losses), info=resumed_info),
+        "resumed": ArmRecords(metrics=metrics(resumed_losses), facts=ArmFacts(**resumed_info)),
     }
     check = CheckSpec("resume", "straight vs resumed", ("straight", "resumed"), ("loss", "grad_norm"))
     return {r.name: r for r in judge_resume(check, suite, records)}

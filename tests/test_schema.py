@@ -37,6 +37,8 @@ def test_a_real_run_validates_and_an_undocumented_field_does_not(run_harness, tm
     with pytest.raises(jsonschema.ValidationError, match="'subject' is a required property"):
         SUMMARY_SCHEMA.validate({k: v for k, v in summary.items() if k != "subject"})
     arm = json.loads((out / "arms" / "first" / "arm.json").read_text())
-    assert arm["info"]["moe_layers"] and len(arm["info"]["chunk_roots"]) == len(arm["info"]["moe_layers"])
+    assert arm["facts"]["moe_layers"] and len(arm["facts"]["chunk_roots"]) == len(arm["facts"]["moe_layers"])
     with pytest.raises(jsonschema.ValidationError, match="Additional properties"):
-        ARM_SCHEMA.validate({**arm, "moe_layers": arm["info"]["moe_layers"]})
+        ARM_SCHEMA.validate({**arm, "moe_layers": arm["facts"]["moe_layers"]})
+    with pytest.raises(jsonschema.ValidationError, match="Additional properties"):
+        ARM_SCHEMA.validate({**arm, "facts": {**arm["facts"], "parameters": 1}})

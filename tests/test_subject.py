@@ -37,7 +37,7 @@ def test_tiny_dp_runs_every_check_it_can_feed_and_matches_its_golden(run_harness
         assert len(read_jsonl(out / "arms" / "bucket" / f"ranks.rank{logical_rank}.jsonl")) == 10
     assert not list(out.glob("arms/*/events.rank*.jsonl"))  # no token exchange: nothing pretends there is
     arm = json.loads((out / "arms" / "bucket" / "arm.json").read_text())
-    assert arm["info"]["parameters"] > 0 and arm["train"]["sync"] == "bucket"
+    assert arm["facts"] == {} and arm["train"]["sync"] == "bucket"  # no family that needs a fact
     assert (out / "report.html").is_file() and (out / "junit.xml").is_file()
 
 
@@ -344,6 +344,8 @@ class Arm(tiny_dp.TinyDPArm):
         record = super().step(step)
         if BAD == "foreign-logical-rank":
             self.recorder.rank_update(5, step, protocol.RankUpdate(1.0, 1.0, {{}}))
+        if BAD == "undeclared-family":
+            self.recorder.exchange_event(self.rank, {{"step": step}})
         changes = {{
             "steps-101-102": {{"step": step + 100}},
             "repeated-step": {{"step": 1}},
@@ -378,6 +380,11 @@ def subject():
         ("negative-step-time", "StepRecord step 1: step_time_s is -1.0, expected a finite number >= 0"),
         ("foreign-logical-rank", "rank_update of logical rank 5: this process hosts logical ranks {rank}-{rank}"),
         ("weights-not-tensors", "final_weights of logical rank {rank}: 'w' -> float, expected name -> tensor"),
+        (
+            "undeclared-family",
+            "exchange_event: the arm does not declare the token-exchange family"
+            " (it declares: final-weights, gradient-digests, metrics, rank-updates)",
+        ),
     ],
 )
 def test_a_record_no_run_could_have_made_is_the_subjects_fault_naming_arm_rank_and_record(
@@ -393,3 +400,117 @@ def test_a_record_no_run_could_have_made_is_the_subjects_fault_naming_arm_rank_a
     assert raised["status"] == "fail" and raised["detail"].endswith(expected), raised["detail"]
     assert "the subject's fault" in raised["detail"]
     assert "step 101/2" not in run.stdout
+
+
+# --- the least a subject is, and the facts a family's checks need ---
+
+
+def _block(text: str, opening: str) -> str:
+    """The fenced block of ``text`` that starts with ``opening``, without its fences."""
+    start = text.index(opening)
+    return text[text.index("\n", start) + 1 : text.index("```", start + len(opening))]
+
+
+def test_a_subject_that_records_only_metrics_is_parse_arms_build_and_step_end_to_end(
+    run_harness, tmp_path: Path
+) -> None:
+    """The front page's subject, as written there (and in docs/extending.md): SubjectBase and ArmBase
+    hold the rest, and no method of a family it does not declare is called (ArmBase's would raise)."""
+    readme = (REPO / "README.md").read_text()
+    code = _block(readme, "```python\n# my_trainer.py")
+    assert code in (REPO / "docs" / "extending.md").read_text()
+    assert len(code.splitlines()) <= 30
+    (tmp_path / "my_trainer.py").write_text(code)
+    suite = tmp_path / "my-suite.toml"
+    suite.write_text(_block(readme, '```toml\nname = "mine"'))
+    out = tmp_path / "run"
+    run = run_harness("run", suite, "--out", out)
+    assert run.returncode == 0, run.stdout + run.stderr
+    checks = {c["name"]: c["status"] for c in run.summary(out)["checks"] if c["kind"] == "determinism"}
+    assert checks == {"a vs b: loss": "pass", "a vs b: grad_norm": "pass", "a vs b: tokens": "pass"}, checks
+    arm = json.loads((out / "arms" / "a" / "arm.json").read_text())
+    assert arm["facts"] == {} and arm["train"] == {"lr": 0.1, "seed": 0}
+    assert not list(out.glob("arms/*/weights.rank*.json")) and not list(out.glob("arms/*/ranks.rank*.jsonl"))
+
+
+_EXCHANGING = """
+import sys
+
+sys.path.insert(0, {examples!r})
+import tiny_dp
+from harness.subject import protocol
+from harness.subject.config import dataclass_arms
+
+
+class Arm(tiny_dp.TinyDPArm):
+    def step(self, step):
+        record = super().step(step)
+        event = {{"step": step, "phase": "fwd", "layer": 0, "chunk": 0, "kind": "dispatch", "op": "launch"}}
+        self.recorder.exchange_event(self.rank, {{**event, "name": "a2a", "buffer_set": 0, "seq": step, "rows": 1}})
+        return record
+
+
+class Exchanging(tiny_dp.TinyDP):
+    name = "exchanging"
+    families = tiny_dp.TinyDP.families | {{protocol.TOKEN_EXCHANGE}}
+
+    def parse_arms(self, tables, reader):
+        return dataclass_arms(tables, reader, tiny_dp.TinyConfig, self.families, facts=lambda config: {facts})
+
+    def build(self, context):
+        return Arm(context)
+
+
+def subject():
+    return Exchanging()
+"""
+
+
+@pytest.mark.parametrize(
+    ("kind", "facts", "missing"),
+    [
+        ("token-exchange-invariants", "protocol.ArmFacts()", "moe_layers, chunks, num_buffer_sets"),
+        ("overlap", "protocol.ArmFacts(moe_layers=(0,))", "chunks, num_buffer_sets"),
+        (
+            "routing-counts",
+            "protocol.ArmFacts(moe_layers=(0,), chunks=1, num_buffer_sets=1, forced_balanced=True)",
+            "experts_per_token, tokens_per_step",
+        ),
+    ],
+)
+def test_token_exchange_events_without_the_facts_their_checks_need_are_refused_at_load_naming_family_and_fact(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path, kind: str, facts: str, missing: str
+) -> None:
+    """A trainer emitting token-exchange events under its own config names: its checks would have crashed
+    on a KeyError; now the suite is refused before anything launches, exit 2, in one line."""
+    module = f"exchanging_{kind.replace('-', '_')}"
+    (tmp_path / f"{module}.py").write_text(_EXCHANGING.format(examples=str(REPO / "examples"), facts=facts))
+    suite = _suite(tmp_path, f"{module}:subject", f'[[checks]]\nkind = "{kind}"\n')
+    assert main(["run", str(suite), "--out", str(tmp_path / "run")]) == 2
+    err = capsys.readouterr().err
+    assert err == (
+        f"error: {suite}: checks.1.kind: {kind} reads token-exchange records, whose checks need the facts {missing},"
+        f' which arm "a" of subject "exchanging" does not declare (ArmSpec.facts)\n'
+    )
+    assert not (tmp_path / "run").exists()
+
+
+def test_the_same_events_with_their_facts_declared_load(tmp_path: Path) -> None:
+    facts = "protocol.ArmFacts(moe_layers=(0,), chunks=1, num_buffer_sets=1)"
+    (tmp_path / "exchanging_ok.py").write_text(_EXCHANGING.format(examples=str(REPO / "examples"), facts=facts))
+    suite = load_suite(str(_suite(tmp_path, "exchanging_ok:subject", '[[checks]]\nkind = "routing-counts"\n')))
+    assert suite.arms["a"].facts.moe_layers == (0,) and suite.checks[1].arms == ("a",)
+
+
+def test_a_resumed_arm_of_a_subject_that_cannot_checkpoint_is_refused_at_load(tmp_path: Path) -> None:
+    (tmp_path / "no_checkpoint.py").write_text(
+        f"import dataclasses, sys\nsys.path.insert(0, {str(REPO / 'examples')!r})\nimport tiny_dp\n\n\n"
+        "class S(tiny_dp.TinyDP):\n    def parse_arms(self, tables, reader):\n"
+        "        return {n: dataclasses.replace(a, resume_at=1) for n, a in super().parse_arms(tables, reader).items()}"
+        "\n\n\ndef subject():\n    return S()\n"
+    )
+    with pytest.raises(SuiteError) as error:
+        load_suite(str(_suite(tmp_path, "no_checkpoint:subject")))
+    assert str(error.value).endswith(
+        'arms.a.resume_at: subject "tiny-dp" does not declare the checkpoint capability: no arm of it resumes'
+    )

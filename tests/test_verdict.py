@@ -17,6 +17,7 @@ from harness.records import ArmRecords, read_metrics_records
 from harness.report import format_verdict_table
 from harness.report.checks import status_counts
 from harness.results import BAD_INPUT, CheckResult
+from harness.subject.protocol import ArmFacts
 from harness.suites import SuiteError
 from harness.verdict import (
     DRIFT,
@@ -151,7 +152,7 @@ def test_a_refused_checkpoint_is_bad_input_and_its_arm_never_ran(tmp_path: Path)
     suite = suite_from(tmp_path, NEGATIVE.format(failures='["exact"]'))
     unrun = unrun_arms(suite, [loading], [_failed(loading)], {"a": _records(2), "b": _records(4)})
     assert unrun == {"a": "launch r@3- failed (root cause: rank 1)"}
-    loaded = ArmRecords(metrics=_records(2).metrics, info={"resumed_from": 2})  # it loaded, then failed
+    loaded = ArmRecords(metrics=_records(2).metrics, facts=ArmFacts(resumed_from=2))  # it loaded, then failed
     assert unrun_arms(suite, [loading], [_failed(loading)], {"a": loaded, "b": _records(4)}) == {}
     refused = CheckResult("bad input: r@3-", BAD_INPUT, "error", "step-2/__0_0.distcp: missing: ...")
     assert verdict_of([refused, _check("a vs b", "fail", ("a", "b"))]) == (BAD_INPUT, EXIT_USAGE)

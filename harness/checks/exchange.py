@@ -16,11 +16,11 @@ import dataclasses
 from collections import Counter, defaultdict
 from collections.abc import Callable, Iterable
 
-from harness.checks.registry import CheckFamily, Problem, SuiteReader, arm_list, problems_result, register
+from harness.checks.registry import CheckFamily, Problem, arm_list, problems_result, register
 from harness.records import ArmRecords, RunRecords
 from harness.results import CheckResult
 from harness.specs import ArmSpec, CheckSpec, SuiteSpec
-from harness.subject.protocol import TOKEN_EXCHANGE, VERSIONED
+from harness.subject.protocol import TOKEN_EXCHANGE, VERSIONED, SuiteReader
 
 KIND = "token-exchange-invariants"
 PAIRING = "token-exchange:launch-wait-pairing"
@@ -332,21 +332,21 @@ def same_events(name: str, a: ArmRecords, b: ArmRecords, label_a: str, label_b: 
 
 
 def arm_exchanges(arm: str, spec: ArmSpec, records: ArmRecords) -> list[CheckResult]:
-    """The token-exchange invariants of one arm, against the exchanges its training implies."""
-    if not records.moe_layers:
-        what = "records no MoE layers" if records.moe_layers == [] else "has no arm.json with its MoE layers"
+    """The token-exchange invariants of one arm, against the exchanges its facts imply: a plain
+    step's, or those of a delayed pipeline's order (ArmFacts.pipeline)."""
+    facts = records.facts
+    if facts is None or not facts.moe_layers:
+        what = "records no MoE layers" if facts is not None else "has no arm.json with its MoE layers"
         return [CheckResult(f"{arm}: token-exchange", KIND, "fail", f"arm '{arm}' {what}: no exchange to check")]
-    train = spec.train
-    chunks = train["chunks"] if train["chunking"] != "none" else 1
     steps = records.metrics.index.tolist()
-    if spec.emits(VERSIONED) and train["trainer"] == "delayed-oracle":
-        plan = delayed_oracle_plan(len(steps), train["delay"], always_correct=train["correction"] == "always")
+    always = facts.correction == "always"
+    if spec.emits(VERSIONED) and facts.pipeline == "delayed-oracle":
+        plan = delayed_oracle_plan(len(steps), facts.delay, always_correct=always)
     elif spec.emits(VERSIONED):
-        replay, always = train["retention"] == "replay", train["correction"] == "always"
-        plan = pipeline_plan(len(steps), train["delay"], replay=replay, always_correct=always)
+        plan = pipeline_plan(len(steps), facts.delay, replay=facts.recomputes, always_correct=always)
     else:
         plan = training_plan(steps)
-    results = check_planned_exchanges(records.events, plan=plan, moe_layers=records.moe_layers, chunks=chunks)
+    results = check_planned_exchanges(records.events, plan=plan, moe_layers=list(facts.moe_layers), chunks=facts.chunks)
     return [dataclasses.replace(r, name=f"{arm}: {r.name}") for r in results]
 
 

@@ -43,11 +43,11 @@ import math
 import statistics
 from typing import Any
 
-from harness.checks.registry import CheckFamily, SuiteReader, register
+from harness.checks.registry import CheckFamily, register
 from harness.records import RunRecords
 from harness.results import CheckResult
 from harness.specs import ArmSpec, CheckSpec, SuiteSpec
-from harness.subject.protocol import FIDELITY
+from harness.subject.protocol import FIDELITY, SuiteReader
 
 KIND = "fidelity"
 FP64_KIND = "fidelity-fp64"

@@ -22,14 +22,14 @@ from dataclasses import replace
 
 import pandas as pd
 
-from harness.checks.registry import CheckFamily, SuiteReader, register
+from harness.checks.registry import CheckFamily, register
 from harness.compare import Tier, compare_arms, tier_from_spec
 from harness.golden import Golden, fingerprint_changes
 from harness.golden_plan import GoldenPlan
 from harness.records import RunRecords
 from harness.results import DRIFT, REGRESSION, CheckResult
 from harness.specs import ArmSpec, CheckSpec, SuiteSpec
-from harness.subject.protocol import METRICS
+from harness.subject.protocol import METRICS, SuiteReader
 
 KIND = "golden"
 

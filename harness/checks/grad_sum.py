@@ -11,11 +11,11 @@ bitwise equal at every step on every logical rank; a step without them fails too
 
 from __future__ import annotations
 
-from harness.checks.registry import CheckFamily, Problem, SuiteReader, problems_result, qualifying_arms, register
+from harness.checks.registry import CheckFamily, Problem, problems_result, qualifying_arms, register
 from harness.records import RankLine, RunRecords
 from harness.results import CheckResult
 from harness.specs import ArmSpec, CheckSpec, SuiteSpec
-from harness.subject.protocol import GRADIENT_SUM, RANK_UPDATES
+from harness.subject.protocol import GRADIENT_SUM, RANK_UPDATES, SuiteReader
 
 KIND = "fp32-gradient-sum"
 

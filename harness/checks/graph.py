@@ -4,8 +4,8 @@ A traced arm (chunking ``eager-traced`` or ``graph``) writes its token-exchange 
 nodes as plain data (the reference's ``export_exchange_graph`` writes it): per node its
 position in the scheduled graph, op, role, receive pool, ``buffer_set`` argument, chunk, region
 (chunk root) and phase, and who reads it. The reference checks its graph too, but a buggy system
-under test could certify itself; these checks read only the exported facts, and derive what the
-graph must contain from the arm's train config and the MoE layers in its ``arm.json``:
+under test could certify itself; these checks read only the exported graph, and derive what it must
+contain from the facts in the arm's ``arm.json``:
 
 * ``graph:exchange-counts``: each root exchanges once per direction and chunk, no more, no less
   (a region cloned only partly, a wait dropped);
@@ -19,6 +19,8 @@ Each check also fails when the regions it judged, one per (chunk root, direction
 the arm's config implies (its MoE layers' roots, forward and backward): a graph whose backward flag
 was lost merges both directions into half the regions, and every per-region check then passes on
 the wrong regions. No graph.json, or one without exchange ops, fails: nothing passes on absent data.
+What the graph must contain comes from the arm's facts (``ArmFacts``: ``chunk_roots``, ``chunks``,
+``num_buffer_sets``), never from its config.
 """
 
 from __future__ import annotations
@@ -29,11 +31,11 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
-from harness.checks.registry import CheckFamily, SuiteReader, problems_result, qualifying_arms, register
+from harness.checks.registry import CheckFamily, problems_result, qualifying_arms, register
 from harness.records import ArmRecords, RunRecords
 from harness.results import CheckResult
 from harness.specs import ArmSpec, CheckSpec, SuiteSpec
-from harness.subject.protocol import GRAPH
+from harness.subject.protocol import GRAPH, ArmFacts, SuiteReader
 
 KIND = "graph-invariants"
 COUNTS = "graph:exchange-counts"
@@ -257,20 +259,20 @@ def graph_results(arm: str, spec: ArmSpec, records: ArmRecords) -> list[CheckRes
     nodes = graph_nodes(f"{arm}: {KIND}", KIND, arm, records)
     if isinstance(nodes, CheckResult):
         return [nodes]
-    train = spec.train
-    roots = records.info.get("chunk_roots")
-    if roots:
-        counts = check_exchange_counts(nodes, roots=roots, chunks=train["chunks"])
+    facts = records.facts or ArmFacts()
+    roots = list(facts.chunk_roots) if facts.chunk_roots is not None else None
+    if roots and facts.chunks:
+        counts = check_exchange_counts(nodes, roots=roots, chunks=facts.chunks)
     else:
-        what = "records no chunk roots" if roots == [] else "has no arm.json with its chunk roots"
+        what = "records no chunk roots" if roots == [] else "has no arm.json with its chunk roots and chunks"
         counts = CheckResult(COUNTS, KIND, "fail", f"arm '{arm}' {what}: no exchange counts to expect")
     regions = expected_regions(roots)
-    results = [
-        counts,
-        check_launch_wait_pairs(nodes),
-        check_buffer_sets(nodes, train["num_buffer_sets"], regions),
-        check_chunk_order(nodes, regions),
-    ]
+    if facts.num_buffer_sets:
+        buffer_sets = check_buffer_sets(nodes, facts.num_buffer_sets, regions)
+    else:
+        why = f"arm '{arm}' has no arm.json with its num_buffer_sets: no buffer sets to expect"
+        buffer_sets = CheckResult(BUFFER_SETS, KIND, "fail", why)
+    results = [counts, check_launch_wait_pairs(nodes), buffer_sets, check_chunk_order(nodes, regions)]
     return [dataclasses.replace(r, name=f"{arm}: {r.name}") for r in results]
 
 

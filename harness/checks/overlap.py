@@ -1,7 +1,8 @@
 """Real overlap of chunked token exchanges (kind ``overlap``): the next chunk's exchange is in flight
 while a chunk waits for its own.
 
-Chunking promises overlap wherever an arm has ``chunks >= 2`` and ``num_buffer_sets >= 2``: the EP
+Chunking promises overlap wherever an arm's facts (``ArmFacts``) have ``chunks >= 2`` and
+``num_buffer_sets >= 2``: the EP
 scheduler holds a chunk's k-th wait until the next chunk has issued its k-th launch, so the next
 chunk's tokens travel while this chunk computes. A scheduler that waits for chunk 0's exchange
 before launching chunk 1's computes the same numbers and issues the same exchanges on the same
@@ -30,11 +31,11 @@ from collections.abc import Iterable
 
 from harness.checks.exchange import Event, malformed_events
 from harness.checks.graph import GraphNode, expected_regions, graph_nodes, region_problems
-from harness.checks.registry import CheckFamily, SuiteReader, problems_result, qualifying_arms, register
+from harness.checks.registry import CheckFamily, problems_result, qualifying_arms, register
 from harness.records import ArmRecords, RunRecords
 from harness.results import CheckResult
 from harness.specs import ArmSpec, CheckSpec, SuiteSpec
-from harness.subject.protocol import GRAPH, TOKEN_EXCHANGE
+from harness.subject.protocol import GRAPH, TOKEN_EXCHANGE, SuiteReader
 
 KIND = "overlap"
 # The phases an eager arm's scheduler orders; its backward is autograd's.
@@ -111,28 +112,31 @@ def arm_overlap(name: str, arm: str, spec: ArmSpec, records: ArmRecords) -> Chec
         if isinstance(nodes, CheckResult):
             return nodes
         regions = graph_regions(nodes)
-        expected = expected_regions(records.info.get("chunk_roots"))
+        roots = records.facts.chunk_roots if records.facts is not None else None
+        expected = expected_regions(list(roots) if roots is not None else None)
         return overlap_result(name, regions, "graph regions", region_problems(regions, expected))
     empty = [rank for rank, events in sorted(records.events.items()) if not events]
     if not records.events or empty:
         return CheckResult(name, KIND, "fail", f"logical ranks {empty or 'all'} recorded no token-exchange events")
     regions: dict[str, Sequence] = {}
-    wrong = region_problems((), None) if not records.moe_layers else []
+    moe_layers = list(records.facts.moe_layers or []) if records.facts is not None else []
+    wrong = region_problems((), None) if not moe_layers else []
     for rank, events in sorted(records.events.items()):
         if reason := malformed_events(events):
             return CheckResult(name, KIND, "error", f"malformed events of logical rank {rank}: {reason}")
         own = event_regions(events, EAGER_SCHEDULED_PHASES)
-        wrong += layer_problems(rank, own, records.moe_layers or [])
+        wrong += layer_problems(rank, own, moe_layers)
         regions |= {f"logical rank {rank} step {s} {p} layer {layer}": seq for (s, p, layer), seq in own.items()}
     return overlap_result(name, regions, "forward regions", wrong)
 
 
 def _no_overlap_promised(spec: ArmSpec) -> str | None:
-    train = spec.train
-    if train["chunking"] == "none":
-        return 'is not chunked (chunking = "none"): nothing to overlap'
-    if train["chunks"] < 2 or train["num_buffer_sets"] < 2:
-        return f"promises no overlap: chunks = {train['chunks']}, num_buffer_sets = {train['num_buffer_sets']}"
+    """Why an arm's facts promise no overlap, or None."""
+    chunks, buffer_sets = spec.facts.chunks, spec.facts.num_buffer_sets
+    if chunks == 1:
+        return "is not chunked (its facts: chunks = 1): nothing to overlap"
+    if chunks is None or buffer_sets is None or chunks < 2 or buffer_sets < 2:
+        return f"promises no overlap: chunks = {chunks}, num_buffer_sets = {buffer_sets}"
     return None
 
 

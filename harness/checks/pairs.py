@@ -16,13 +16,13 @@ from __future__ import annotations
 import dataclasses
 
 from harness.checks.exchange import same_events
-from harness.checks.registry import CheckFamily, SuiteReader, register
+from harness.checks.registry import CheckFamily, register
 from harness.compare import Exact, Ulp, compare_arms, tier_from_spec
 from harness.digests import first_divergence
 from harness.records import RunRecords
 from harness.results import CheckResult
 from harness.specs import ArmSpec, CheckSpec, SuiteSpec
-from harness.subject.protocol import METRICS, TOKEN_EXCHANGE
+from harness.subject.protocol import METRICS, TOKEN_EXCHANGE, SuiteReader
 
 PAIR_KINDS = ("exact", "ulp", "close", "band")
 DETERMINISM = "determinism"

@@ -53,11 +53,11 @@ import dataclasses
 from collections import Counter, defaultdict
 from collections.abc import Callable
 
-from harness.checks.registry import CheckFamily, Problem, SuiteReader, problems_result, qualifying_arms, register
+from harness.checks.registry import CheckFamily, Problem, problems_result, qualifying_arms, register
 from harness.records import RunRecords
 from harness.results import CheckResult
 from harness.specs import ArmSpec, CheckSpec, SuiteSpec
-from harness.subject.protocol import PEC
+from harness.subject.protocol import PEC, SuiteReader
 
 KIND = "pec-invariants"
 NO_AUTOGRAD = "pec:no-autograd-start"
@@ -409,7 +409,7 @@ def check_pec(events: RankEvents, trainer: str, batches: int) -> list[CheckResul
 
 def _pec_trainer(spec: ArmSpec) -> str | None:
     """The trainer driving the arm's PEC table, or None for an arm without one."""
-    return spec.train["pec"] if spec.emits(PEC) else None
+    return spec.facts.pec if spec.emits(PEC) else None
 
 
 def parse(kind: str, raw: dict, dotted: str, v: SuiteReader, arms: dict[str, ArmSpec]) -> CheckSpec:

@@ -14,12 +14,12 @@ from __future__ import annotations
 import struct
 from typing import Any
 
-from harness.checks.registry import CheckFamily, SuiteReader, arm_list, register
+from harness.checks.registry import CheckFamily, arm_list, register
 from harness.compare import format_steps
 from harness.records import RankLine, RunRecords
 from harness.results import CheckResult
 from harness.specs import ArmSpec, CheckSpec, SuiteSpec
-from harness.subject.protocol import RANK_UPDATES
+from harness.subject.protocol import RANK_UPDATES, SuiteReader
 
 KIND = "ranks-agree"
 FIELDS = ("loss", "grad_norm", "replicated_hash")

@@ -11,8 +11,9 @@ gradient differs there. Steps up to k only check the first launch; the last weig
 ``final-weights``'s.
 
 The two arms must train alike: they may differ only in fields that change how an arm keeps its
-state, never what it computes (:data:`HOW_NOT_WHAT`), so that one straight arm serves several
-resumed ones and a suite pays for its straight run once:
+state, never what it computes (the fields its subject lists in ``ArmFacts.how_only``), so that one
+straight arm serves several resumed ones and a suite pays for its straight run once. The
+reference's:
 
 - ``retention`` (versioned arms): whether a pending forward keeps its graph, offloads its saved
   tensors or is replayed. The ``retention`` suite holds the three to bitwise equal loss, grad norm
@@ -28,18 +29,16 @@ from __future__ import annotations
 import dataclasses
 
 from harness.checks.pairs import localised
-from harness.checks.registry import CheckFamily, SuiteReader, register
+from harness.checks.registry import CheckFamily, register
 from harness.compare import Exact, compare_arms
 from harness.digests import first_divergence
 from harness.records import RunRecords
 from harness.results import CheckResult
 from harness.specs import ArmSpec, CheckSpec, SuiteSpec
-from harness.subject.protocol import GRADIENT_DIGESTS, METRICS
+from harness.subject.protocol import GRADIENT_DIGESTS, METRICS, SuiteReader
 
 KIND = "resume"
 METRIC_NAMES = ("loss", "grad_norm")
-# Fields in which a resumed arm may differ from its straight arm (see the module docstring).
-HOW_NOT_WHAT = ("retention", "checkpoint_fault")
 
 
 def parse(kind: str, raw: dict, dotted: str, v: SuiteReader, arms: dict[str, ArmSpec]) -> CheckSpec:
@@ -52,7 +51,8 @@ def parse(kind: str, raw: dict, dotted: str, v: SuiteReader, arms: dict[str, Arm
     if arms[resumed].resume_at is None:
         raise v.error(f"{dotted}.arms.1", f'arm "{resumed}" never stops: set resume_at on it')
     ours, theirs = arms[straight].train, arms[resumed].train
-    differ = sorted(k for k in ours.keys() | theirs.keys() if ours.get(k) != theirs.get(k) and k not in HOW_NOT_WHAT)
+    how_only = set(arms[straight].facts.how_only) | set(arms[resumed].facts.how_only)  # see the module docstring
+    differ = sorted(k for k in ours.keys() | theirs.keys() if ours.get(k) != theirs.get(k) and k not in how_only)
     if differ:
         raise v.error(f"{dotted}.arms", f"the two arms train differently ({', '.join(differ)}): nothing to owe")
     metrics = v.metric_list(raw, dotted, METRIC_NAMES)
@@ -62,7 +62,7 @@ def parse(kind: str, raw: dict, dotted: str, v: SuiteReader, arms: dict[str, Arm
 def run(check: CheckSpec, suite: SuiteSpec, records: RunRecords) -> list[CheckResult]:
     straight, resumed = check.arms
     at = suite.arms[resumed].resume_at
-    loaded = records[resumed].info.get("resumed_from")
+    loaded = records[resumed].facts.resumed_from if records[resumed].facts is not None else None
     if loaded != at:
         detail = (
             f"arm {resumed} did not resume from its checkpoint of step {at}"

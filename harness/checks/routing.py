@@ -13,11 +13,11 @@ from __future__ import annotations
 
 from collections import Counter
 
-from harness.checks.registry import CheckFamily, SuiteReader, arm_list, problems_result, register
+from harness.checks.registry import CheckFamily, arm_list, problems_result, register
 from harness.records import ArmRecords, RunRecords
 from harness.results import CheckResult
 from harness.specs import ArmSpec, CheckSpec, SuiteSpec
-from harness.subject.protocol import TOKEN_EXCHANGE
+from harness.subject.protocol import TOKEN_EXCHANGE, ArmFacts, SuiteReader
 
 KIND = "routing-counts"
 
@@ -91,14 +91,13 @@ def check_routing_counts(name: str, events: dict[int, list[dict]], expected: int
     return problems_result(name, KIND, problems, passed)
 
 
-def balanced_count(train: dict, experts_per_token: int | None, ep: int) -> int | None:
+def balanced_count(facts: ArmFacts, ep: int) -> int | None:
     """Rows each of ``ep`` logical ranks sends each other per exchange under forced-balanced routing
-    (every expert gets tokens x top-k / experts of a chunk; the top-k as the arm's ``arm.json``
-    records it), or None when routing is learned. A subject without chunking has one chunk."""
-    if train.get("routing") != "forced-balanced" or experts_per_token is None:  # learned, or no arm.json
+    (every expert gets tokens x top-k / experts of a chunk), from the arm's facts; None when routing
+    is learned."""
+    if not facts.forced_balanced:
         return None
-    chunks = train["chunks"] if train.get("chunking", "none") != "none" else 1
-    rows = train["local_batch"] * train["seq_len"] // chunks * experts_per_token
+    rows = facts.tokens_per_step // facts.chunks * facts.experts_per_token
     return rows // ep
 
 
@@ -109,10 +108,13 @@ def parse(kind: str, raw: dict, dotted: str, v: SuiteReader, arms: dict[str, Arm
 
 
 def arm_routing(name: str, spec: ArmSpec, records: ArmRecords) -> CheckResult:
-    top_k = records.info.get("experts_per_token")
-    if spec.train.get("routing") == "forced-balanced" and not isinstance(top_k, int):
-        return CheckResult(name, KIND, "fail", "arm.json records no experts_per_token: no balanced count to expect")
-    return check_routing_counts(name, records.events, balanced_count(spec.train, top_k, spec.logical_ranks))
+    facts = records.facts
+    if facts is None:
+        return CheckResult(name, KIND, "fail", "the arm has no arm.json with its facts: no routing to expect")
+    if facts.forced_balanced and None in (facts.experts_per_token, facts.tokens_per_step, facts.chunks):
+        why = "arm.json records no experts_per_token, tokens_per_step or chunks: no balanced count to expect"
+        return CheckResult(name, KIND, "fail", why)
+    return check_routing_counts(name, records.events, balanced_count(facts, spec.logical_ranks))
 
 
 def run(check: CheckSpec, suite: SuiteSpec, records: RunRecords) -> list[CheckResult]:

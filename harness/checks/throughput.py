@@ -17,12 +17,12 @@ import dataclasses
 import statistics
 
 from harness.abba import PairedRatio, gate_verdict, paired_ratio, relative_iqr
-from harness.checks.registry import CheckFamily, SuiteReader, register
+from harness.checks.registry import CheckFamily, register
 from harness.plan import LaunchGroup
 from harness.records import RunRecords
 from harness.results import CheckResult
 from harness.specs import ArmSpec, CheckSpec, SuiteSpec, ThroughputSpec
-from harness.subject.protocol import METRICS
+from harness.subject.protocol import METRICS, SuiteReader
 from harness.throughput import measuring_seconds, stop_reason, whole_blocks
 
 KIND = "throughput"

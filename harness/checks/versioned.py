@@ -17,12 +17,12 @@ import math
 from collections import defaultdict
 from collections.abc import Iterable
 
-from harness.checks.registry import CheckFamily, Problem, SuiteReader, problems_result, qualifying_arms, register
+from harness.checks.registry import CheckFamily, Problem, problems_result, qualifying_arms, register
 from harness.compare import format_steps
 from harness.records import RunRecords
 from harness.results import CheckResult
 from harness.specs import ArmSpec, CheckSpec, SuiteSpec
-from harness.subject.protocol import VERSIONED
+from harness.subject.protocol import VERSIONED, SuiteReader
 
 EXACTLY_ONCE = "exactly-once"
 STALENESS_AGES = "staleness-ages"
@@ -205,7 +205,7 @@ def _versioned_arms(
     def problem(spec: ArmSpec) -> str | None:
         if not spec.emits(VERSIONED):
             return "is not versioned (it records no versioned updates: it sets no pipeline field)"
-        if corrected and spec.train["correction"] == "off":
+        if corrected and spec.facts.correction == "off":
             return 'has correction = "off": no statistics to check'
         return None
 
@@ -230,14 +230,18 @@ def run(check: CheckSpec, suite: SuiteSpec, records: RunRecords) -> list[CheckRe
     """Batches are numbered like steps (see worker.updates): a run of N steps applies batches 1..N."""
     results = []
     for arm in check.arms:
-        updates, train = records[arm].updates, suite.arms[arm].train
-        if check.kind == EXACTLY_ONCE:
+        updates, facts = records[arm].updates, records[arm].facts
+        if facts is None:
+            result = CheckResult(
+                check.kind, check.kind, "fail", "no arm.json with the arm's facts: no pipeline to judge"
+            )
+        elif check.kind == EXACTLY_ONCE:
             result = check_exactly_once(updates, range(1, suite.steps + 1))
         elif check.kind == STALENESS_AGES:
-            result = check_staleness_ages(updates, train["delay"])
+            result = check_staleness_ages(updates, facts.delay)
         else:
-            clip, least = train["correction_clip"], check.options.get("min_clipped_frac")
-            result = check_correction_stats(updates, train["correction"], train["delay"], clip, least)
+            clip, least = facts.correction_clip, check.options.get("min_clipped_frac")
+            result = check_correction_stats(updates, facts.correction, facts.delay, clip, least)
         results.append(dataclasses.replace(result, name=f"{arm}: {check.name}"))
     return results
 

@@ -10,11 +10,11 @@ every digest is the same; a missing record fails, naming the arm and the logical
 
 from __future__ import annotations
 
-from harness.checks.registry import CheckFamily, Problem, SuiteReader, problems_result, register
+from harness.checks.registry import CheckFamily, Problem, problems_result, register
 from harness.records import RunRecords
 from harness.results import CheckResult
 from harness.specs import ArmSpec, CheckSpec, SuiteSpec
-from harness.subject.protocol import FINAL_WEIGHTS
+from harness.subject.protocol import FINAL_WEIGHTS, SuiteReader
 
 KIND = "final-weights"
 _MAX_NAMED = 3  # differing parameters named per logical rank

@@ -31,7 +31,7 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from harness.subject.protocol import Subject, SubjectError, SubjectFault
+from harness.subject.protocol import CAPABILITIES, TRACE_CACHE, Subject, SubjectError, SubjectFault
 from harness.trust import TrustError, check_path
 
 if TYPE_CHECKING:
@@ -40,6 +40,8 @@ if TYPE_CHECKING:
 DEFAULT = "reference"
 ENTRY_POINT_GROUP = "harness.subjects"
 BUILTIN = {DEFAULT: "harness.subject.reference:subject", "torchtitan": "harness.subject.torchtitan:subject"}
+# What a subject must have (harness/subject/protocol.py); its optional parts are in ``capabilities``.
+_DECLARED = ("name", "families", "capabilities", "source", "train_fields", "parse_arms", "build")
 _TARGET = re.compile(r"[A-Za-z_][\w.]*:[A-Za-z_]\w*")
 
 __all__ = [
@@ -64,8 +66,8 @@ def usable_trace_cache(path: Path | None, subject: Subject) -> tuple[Path | None
     """The trace cache the ranks may use (None: off), and the line saying why not when the subject
     finds its folder unsafe (the reference: reference/chunking/trace_cache.py): the run then traces,
     and is judged on its merits."""
-    problem = getattr(subject, "cache_problem", None)
-    why = problem(path) if path is not None and problem is not None else None
+    vetted = path is not None and TRACE_CACHE in subject.capabilities
+    why = subject.cache_problem(path) if vetted else None
     return (None, why) if why else (path, None)
 
 
@@ -160,12 +162,16 @@ def _made(name: str, find_factory: Callable[[], object]) -> Subject:
         raise SubjectError(f'subject "{name}": {e}') from None
     except Exception as e:  # it takes no input: whatever else it raises is its bug
         raise SubjectFault(f'subject "{name}": its factory raised: {raised_in(e, _code_of(factory))}') from None
-    missing = [
-        a for a in ("name", "families", "source", "train_fields", "parse_arms", "build") if not hasattr(subject, a)
-    ]
+    missing = [a for a in _DECLARED if not hasattr(subject, a)]
     if missing:
         raise SubjectError(
-            f'subject "{name}": {type(subject).__name__} lacks {", ".join(missing)} (see harness.subject.protocol)'
+            f'subject "{name}": {type(subject).__name__} lacks {", ".join(missing)}'
+            " (see harness.subject.protocol; SubjectBase has all but parse_arms and build)"
+        )
+    unknown = sorted(set(subject.capabilities) - set(CAPABILITIES))
+    if unknown:
+        raise SubjectError(
+            f'subject "{name}": capabilities {", ".join(unknown)} are not known ({", ".join(CAPABILITIES)})'
         )
     return subject
 

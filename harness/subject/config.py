@@ -12,15 +12,12 @@ from __future__ import annotations
 import dataclasses
 import json
 import typing
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from harness.specs import ArmSpec
-from harness.subject.protocol import SuiteTables
-
-if TYPE_CHECKING:
-    from harness.checks.registry import SuiteReader
+from harness.subject.protocol import METRICS, ArmFacts, SuiteReader, SuiteTables
 
 
 def show(value: Any) -> str:
@@ -53,13 +50,16 @@ def dataclass_arms(
     tables: SuiteTables,
     v: SuiteReader,
     config: type,
-    families: Iterable[str],
+    families: Iterable[str] = (METRICS,),
     positive: Iterable[str] = (),
     subject: str = "this subject",
+    facts: Callable[[Any], ArmFacts] | None = None,
 ) -> dict[str, ArmSpec]:
     """The arms of a subject whose arm config is the dataclass ``config``: ``[train]`` then each
     ``[arms.NAME]`` (which may also set ``ranks``). A ``seed`` field seeds the arm (else 0), a
-    ``dtype`` field keys its goldens (else float32). Every arm emits ``families``."""
+    ``dtype`` field keys its goldens (else float32). Every arm emits ``families``, and has the facts
+    ``facts`` gives of its built config (none: an arm of metrics, rank updates, digests and weights
+    needs none)."""
     if tables.model:
         raise v.error("model", f"{subject} has no [model] table: set its fields in [train]")
     fields, positive = field_types(config), set(positive)
@@ -97,5 +97,6 @@ def dataclass_arms(
             seed=int(train.get("seed", 0)),
             golden_config={k: x for k, x in train.items() if k not in defaults or defaults[k] != x},
             dtype=str(train.get("dtype", "float32")),
+            facts=facts(built) if facts is not None else ArmFacts(),
         )
     return arms

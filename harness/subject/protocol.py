@@ -8,7 +8,7 @@ trainer a user brings (``"package.module:factory"``, or an entry point of the gr
    subject's own fields: :meth:`Subject.parse_arms` validates them with the suite's typed readers
    (so a mistake names the file and the dotted field like any other) and returns one
    :class:`~harness.specs.ArmSpec` per arm: its process count, its config as plain JSON (what the
-   ranks build from), the record families it emits and its seed.
+   ranks build from), the record families it emits, its seed and its :class:`ArmFacts`.
 2. **Build an arm** inside each rank process, once ``torch.distributed`` is initialised
    (:meth:`Subject.build`, given an :class:`ArmContext`), and train it: :meth:`Arm.step` returns a
    :class:`StepRecord` per optimizer update; :meth:`Arm.drain` returns those still in flight at
@@ -17,12 +17,22 @@ trainer a user brings (``"package.module:factory"``, or an entry point of the gr
    record family below. The harness writes the files (``harness/rundir.py`` names them) and judges
    them; a subject never judges itself.
 
+A subject that records only metrics is :class:`SubjectBase` with ``parse_arms`` and ``build``, and
+an :class:`ArmBase` with ``step``: the bases hold every default.
+
 Record families. Every check family declares the families it reads
 (:class:`~harness.checks.registry.CheckFamily`), and a suite whose check reads a family its arm
-cannot emit is refused at load (exit 2), naming the check and the subject. Every record a rank
-receives is checked there before it is written (:mod:`harness.seam`): a record no run could have
-made (a step the run did not ask for, one missing, repeated or out of order, negative or NaN tokens
-or seconds, a logical rank the process does not host) is :class:`BadRecord`, the subject's fault.
+cannot emit is refused at load (exit 2), naming the check and the subject. The checks know an arm
+through its typed :class:`ArmFacts` alone, never through its config: a family's checks need some
+(:data:`FAMILY_FACTS`), and a check reading a family of an arm that lacks one is refused at load
+too, naming the family and the fact. Optional parts are declared, never probed for: the families
+of an arm (``ArmSpec.families``) decide which of its record methods the worker calls, and a
+subject's ``capabilities`` (:data:`CAPABILITIES`) which of its optional parts the harness uses.
+
+Every record a rank receives is checked there before it is written (:mod:`harness.seam`): a record
+no run could have made (a step the run did not ask for, one missing, repeated or out of order,
+negative or NaN tokens or seconds, a logical rank the process does not host, a family the arm does
+not declare) is :class:`BadRecord`, the subject's fault.
 
 Whose fault, and its exit code, when the subject's own code fails in the harness process (loading):
 
@@ -42,15 +52,16 @@ Whose fault, and its exit code, when the subject's own code fails in the harness
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
-from dataclasses import dataclass, field
+import functools
+import inspect
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:
     import torch
 
-    from harness.checks.registry import SuiteReader
     from harness.op_divergence import OpRecorder
     from harness.specs import ArmSpec
 
@@ -77,6 +88,18 @@ FAMILIES = (
     FIDELITY,
     GRADIENT_SUM,
 )
+# Capabilities: the optional parts of a subject, declared in ``Subject.capabilities`` (never probed for).
+CHECKPOINT = "checkpoint"  # Arm.save_checkpoint and load_checkpoint: a suite's resume_at
+RECORD_OPS = "record-ops"  # Subject.record_ops: harness run --first-op
+TRACE_CACHE = "trace-cache"  # Subject.cache_problem: its arms reuse what they keep in ArmContext.cache_dir
+CAPABILITIES = (CHECKPOINT, RECORD_OPS, TRACE_CACHE)
+# The facts (ArmFacts fields) an arm must declare for the checks that read each record family; see ArmFacts.needs.
+FAMILY_FACTS: dict[str, tuple[str, ...]] = {
+    TOKEN_EXCHANGE: ("moe_layers", "chunks", "num_buffer_sets"),
+    GRAPH: ("chunk_roots", "chunks", "num_buffer_sets"),
+    VERSIONED: ("pipeline", "delay", "correction", "correction_clip"),
+    PEC: ("pec",),
+}
 
 
 class SubjectError(Exception):
@@ -144,6 +167,72 @@ class RankUpdate:
     sharded: Mapping[str, torch.Tensor] = field(default_factory=dict)
 
 
+@dataclass(frozen=True)
+class ArmFacts:
+    """What the checks know of an arm beyond its records, typed: the checks read these, never an arm's
+    config (``ArmSpec.train``, the subject's own). ``parse_arms`` declares them with each arm
+    (``ArmSpec.facts``); the built arm may add what only it knows (``Arm.info``: the checkpoint a
+    launch resumed from), and ``arm.json`` records the two. None: not known.
+
+    A record family's checks need some of them (:data:`FAMILY_FACTS`, and :meth:`needs`): a suite
+    whose check reads a family from an arm that lacks one is refused at load (exit 2), naming the
+    family and the fact."""
+
+    # token-exchange and graph: the expert-parallel layers and how their tokens are exchanged
+    moe_layers: tuple[int, ...] | None = None  # the layers that exchange tokens (Hugging Face layer indices)
+    chunks: int | None = None  # chunks each MoE layer exchanges per pass (1: unchunked)
+    num_buffer_sets: int | None = None  # receive buffer sets the chunks rotate through
+    chunk_roots: tuple[str, ...] | None = None  # graph: each MoE layer's chunk root (module name), in layer order
+    forced_balanced: bool = False  # routing sends every expert as many rows (counts known in advance)
+    experts_per_token: int | None = None  # the top-k; needed with forced_balanced
+    tokens_per_step: int | None = None  # tokens a logical rank routes per step; needed with forced_balanced
+    # versioned-updates: a delayed pipeline
+    pipeline: str | None = None  # whose exchange order it follows: "versioned" or "delayed-oracle"
+    delay: int | None = None  # batches between a batch's forward and its update
+    correction: str | None = None  # "off", "when_available" or "always"
+    correction_clip: float | None = None  # importance weights are clamped to [0, correction_clip]
+    recomputes: bool = False  # its backward replays the forward (token-exchange phase "recompute")
+    # pec-events: the trainer driving a PEC table's gradient all-to-alls
+    pec: str | None = None  # "pipelined", "sequential" or "legacy"
+    # comparisons: config fields that change how the arm trains, not what (a resumed arm may differ in them)
+    how_only: tuple[str, ...] = ()
+    # what a launch observed (Arm.info)
+    resumed_from: int | None = None  # the update whose checkpoint a fresh launch loaded
+
+    def needs(self, family: str, emits: Iterable[str] = ()) -> tuple[str, ...]:
+        """The facts the checks reading ``family`` need of an arm that emits ``emits``: the family's own
+        (FAMILY_FACTS), the top-k and tokens of forced-balanced routing, and a pipeline's order and delay
+        for the exchanges a delayed pipeline makes."""
+        needed = FAMILY_FACTS.get(family, ())
+        if family == TOKEN_EXCHANGE and self.forced_balanced:
+            needed += ("experts_per_token", "tokens_per_step")
+        if family == TOKEN_EXCHANGE and VERSIONED in emits:
+            needed += ("pipeline", "delay", "correction")
+        return needed
+
+    def missing(self, family: str, emits: Iterable[str] = ()) -> tuple[str, ...]:
+        """The facts :meth:`needs` lists that are not known."""
+        return tuple(fact for fact in self.needs(family, tuple(emits)) if getattr(self, fact) is None)
+
+    def updated(self, built: ArmFacts) -> ArmFacts:
+        """These facts with those the built arm set (fields away from their defaults) in their place."""
+        return replace(self, **built.set_fields())
+
+    def set_fields(self) -> dict[str, Any]:
+        """The facts away from their defaults (None, False, none): those known."""
+        return {f.name: getattr(self, f.name) for f in fields(self) if getattr(self, f.name) != f.default}
+
+    def to_json(self) -> dict[str, Any]:
+        """The known facts, as ``arm.json`` and ``manifest.json`` record them."""
+        return {name: list(v) if isinstance(v, tuple) else v for name, v in self.set_fields().items()}
+
+    @classmethod
+    def from_json(cls, raw: Mapping[str, Any]) -> ArmFacts:
+        """Facts as :meth:`to_json` wrote them; keys it does not know are not facts, and are left out."""
+        known = {f.name for f in fields(cls)}
+        return cls(**{k: tuple(v) if isinstance(v, list) else v for k, v in raw.items() if k in known})
+
+
 class Recorder(Protocol):
     """Where an arm records; one method per record family. Logical ranks may call from their own
     threads, each for its own logical rank. A recorder that does not record a family (a throughput
@@ -194,7 +283,11 @@ class ArmContext:
 
 
 class Arm(Protocol):
-    """One built arm in one rank process."""
+    """One built arm in one rank process. The worker calls ``step``, ``drain``, ``info`` and ``close`` of
+    every arm, and the rest only of an arm that declares what they record: ``final_weights`` for the
+    FINAL_WEIGHTS family, ``graph_build`` and ``graph_export`` for GRAPH (``ArmSpec.families``), the
+    checkpoint methods for a subject with the CHECKPOINT capability (``Subject.capabilities``).
+    :class:`ArmBase` has every method but ``step``."""
 
     def step(self, step: int) -> StepRecord | None:
         """Trains update ``step`` (1, 2, ...); None while a pipeline is still filling."""
@@ -202,43 +295,76 @@ class Arm(Protocol):
     def drain(self) -> Iterable[StepRecord]:
         """The updates still in flight after the last ``step`` (none for most trainers)."""
 
-    def info(self) -> dict[str, Any]:
-        """Facts about the built arm that checks need and the config does not say (``arm.json``):
-        the reference's MoE layers and expert fan-out. JSON-serialisable."""
+    def info(self) -> ArmFacts:
+        """Facts only the built arm knows (the checkpoint a launch resumed from), over those its
+        ``ArmSpec.facts`` declared; ``arm.json`` records the two."""
 
-    def graph_export(self) -> dict | None:
-        """GRAPH: the traced step's exchange ops as plain data, or None."""
+    def graph_build(self) -> Mapping[str, Any]:
+        """GRAPH: where the traced graph came from and what building it cost (the run's timeline)."""
 
-    def graph_build(self) -> dict | None:
-        """Where a traced graph came from and what building it cost (the run's timeline), or None."""
+    def graph_export(self) -> Mapping[str, Any]:
+        """GRAPH: the traced step's exchange ops as plain data (``graph.json``)."""
 
     def final_weights(self) -> Mapping[int, Mapping[str, torch.Tensor]]:
         """FINAL_WEIGHTS: logical rank -> its parameters by name, for the logical ranks of this process."""
+
+    def save_checkpoint(self, folder: Path, step: int) -> None:
+        """CHECKPOINT: saves the whole training state after update ``step`` under ``folder``; every
+        process calls it. A suite's ``resume_at``: the arm's first launch saves after update k, and a
+        fresh launch, perhaps of another process count, loads before update k+1."""
+
+    def load_checkpoint(self, folder: Path, step: int) -> None:
+        """CHECKPOINT: restores the state saved after update ``step`` under ``folder``; raises
+        :class:`CheckpointRefused`, naming the file and what is missing, when it must not."""
 
     def close(self) -> None:
         """Releases threads and memory; called once, also after a failure."""
 
 
-class CheckpointingArm(Arm, Protocol):
-    """An arm that can stop and resume (a suite's ``resume_at``): its first launch saves after
-    update k, and a fresh launch, perhaps of another process count, loads before update k+1."""
+class ArmBase:
+    """An :class:`Arm` with the defaults: a subclass writes ``step`` and what its declared families and
+    capabilities call for. Nothing to drain, no facts beyond those declared, nothing to close; a
+    method of a family or capability the arm does not declare is never called, and here raises."""
+
+    def step(self, step: int) -> StepRecord | None:
+        raise NotImplementedError(f"{type(self).__name__}.step")
+
+    def drain(self) -> Iterable[StepRecord]:
+        return ()
+
+    def info(self) -> ArmFacts:
+        return ArmFacts()
+
+    def graph_build(self) -> Mapping[str, Any]:
+        return {}
+
+    def graph_export(self) -> Mapping[str, Any]:
+        raise NotImplementedError(f"{type(self).__name__}.graph_export: its arm declares the {GRAPH} family")
+
+    def final_weights(self) -> Mapping[int, Mapping[str, torch.Tensor]]:
+        raise NotImplementedError(f"{type(self).__name__}.final_weights: its arm declares {FINAL_WEIGHTS}")
 
     def save_checkpoint(self, folder: Path, step: int) -> None:
-        """Saves the whole training state after update ``step`` under ``folder``; every process calls it."""
+        raise NotImplementedError(f"{type(self).__name__}.save_checkpoint: its subject declares {CHECKPOINT}")
 
     def load_checkpoint(self, folder: Path, step: int) -> None:
-        """Restores the state saved after update ``step`` under ``folder``; raises
-        :class:`CheckpointRefused`, naming the file and what is missing, when it must not."""
+        raise NotImplementedError(f"{type(self).__name__}.load_checkpoint: its subject declares {CHECKPOINT}")
+
+    def close(self) -> None:
+        pass
 
 
 class Subject(Protocol):
     """A system under test. ``name`` labels it in messages; ``families`` is every record family any
-    of its arms may emit; ``source`` is its code: a rank that raises with a frame in there is a
+    of its arms may emit; ``capabilities`` its optional parts (CAPABILITIES), which the harness uses
+    only where declared; ``source`` is its code: a rank that raises with a frame in there is a
     regression (exit 1), anywhere else infrastructure (exit 3). ``train_fields`` names the fields a
-    bare ``--set FIELD=VALUE`` may set on ``[train]`` and every arm setting it."""
+    bare ``--set FIELD=VALUE`` may set on ``[train]`` and every arm setting it. :class:`SubjectBase`
+    has every attribute and method but ``parse_arms`` and ``build``."""
 
     name: str
     families: frozenset[str]
+    capabilities: frozenset[str]
     source: tuple[Path, ...]
     train_fields: Mapping[str, type]
 
@@ -249,17 +375,47 @@ class Subject(Protocol):
         """One arm, in a rank process."""
 
     def cache_problem(self, cache_dir: Path) -> str | None:
-        """Optional: why ``cache_dir`` must not be used (an unsafe folder), or None; checked before
-        launching. A subject without it caches nothing, or trusts the folder."""
+        """TRACE_CACHE: why ``cache_dir`` must not be used (an unsafe folder), or None; checked before
+        launching. A subject without the capability is handed the folder unchecked, and keeps nothing there."""
 
     def record_ops(self, arm: Arm, recorder: OpRecorder) -> None:
-        """Optional: readies a built ``arm`` to have the ops of its steps recorded by ``recorder``
+        """RECORD_OPS: readies a built ``arm`` to have the ops of its steps recorded by ``recorder``
         (harness/op_divergence/), a dispatch mode that sees this thread only. It adds the ops whose
         outputs hold no data yet to ``recorder.placeholders`` (an exchange launch's receive slot) and
         routes a traced step through ``recorder.interpret``, so that each op gets its node's module.
         Raises :class:`OpsNotRecordable` where the arm's ops do not all run on this thread as ops
-        (compiled kernels, a model of an oracle beside it). A subject without it is refused before
-        any re-run is launched (``harness run --first-op``)."""
+        (compiled kernels, a model of an oracle beside it). A subject without the capability is refused
+        before any re-run is launched (``harness run --first-op``)."""
+
+
+class SubjectBase:
+    """A :class:`Subject` with the defaults: a subclass writes ``parse_arms`` and ``build``. Its name is
+    its class's, its arms record metrics only, it has no optional part, its code is its class's file,
+    and no field may be set by a bare ``--set``."""
+
+    families: frozenset[str] = frozenset({METRICS})
+    capabilities: frozenset[str] = frozenset()
+    train_fields: Mapping[str, type] = {}
+
+    @functools.cached_property
+    def name(self) -> str:
+        return type(self).__name__
+
+    @functools.cached_property
+    def source(self) -> tuple[Path, ...]:
+        return (Path(inspect.getfile(type(self))).resolve(),)
+
+    def parse_arms(self, tables: SuiteTables, reader: SuiteReader) -> dict[str, ArmSpec]:
+        raise NotImplementedError(f"{type(self).__name__}.parse_arms")
+
+    def build(self, context: ArmContext) -> Arm:
+        raise NotImplementedError(f"{type(self).__name__}.build")
+
+    def cache_problem(self, cache_dir: Path) -> str | None:
+        raise NotImplementedError(f"{type(self).__name__}.cache_problem: it declares {TRACE_CACHE}")
+
+    def record_ops(self, arm: Arm, recorder: OpRecorder) -> None:
+        raise NotImplementedError(f"{type(self).__name__}.record_ops: it declares {RECORD_OPS}")
 
 
 @dataclass(frozen=True)
@@ -275,3 +431,25 @@ class SuiteTables:
     steps: int
     suite_file: Path
     device: str
+
+
+class SuiteReader(Protocol):
+    """The suite validator's typed readers, which a subject's ``parse_arms`` and a check family's
+    parser use: each raises :class:`~harness.suites.SuiteError` naming the file (or ``--set``) and the
+    dotted field."""
+
+    def error(self, dotted: str, msg: str) -> Exception: ...
+    def table(self, raw: Any, dotted: str, allowed: Sequence[str]) -> dict: ...
+    def str_(self, value: Any, dotted: str, choices: tuple[str, ...] | None = None) -> str: ...
+    def int_(self, value: Any, dotted: str, lo: int = 1, hi: int | None = None) -> int: ...
+    def typed(self, value: Any, dotted: str, expected: type, positive: bool) -> Any: ...
+    def str_list(self, value: Any, dotted: str, choices: Sequence[str]) -> tuple[str, ...]: ...
+    def arm_pair(self, raw: dict, dotted: str, arms: dict[str, ArmSpec]) -> tuple[str, str]: ...
+    def metric_list(self, raw: dict, dotted: str, default: tuple[str, ...]) -> tuple[str, ...]: ...
+    def tier(self, raw: dict, dotted: str) -> dict[str, Any]: ...
+    def check_name(self, value: Any, dotted: str) -> str: ...
+    def name(self, value: Any, dotted: str) -> str: ...
+    def overridden(self, dotted: str) -> bool: ...
+    def for_file(self, shown: str) -> SuiteReader: ...
+
+    max_ranks: int

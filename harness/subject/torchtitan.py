@@ -42,7 +42,6 @@ from harness.subject import protocol
 from harness.subject.config import dataclass_arms
 
 if TYPE_CHECKING:
-    from harness.checks.registry import SuiteReader
     from harness.specs import ArmSpec
 
 ROUTINGS = ("learned", "forced-balanced")
@@ -83,7 +82,7 @@ def synthetic_batch(config: TitanConfig, vocab: int, step: int, rank: int) -> tu
     return tokens[:, :-1], tokens[:, 1:]
 
 
-class TitanArm:
+class TitanArm(protocol.ArmBase):
     """This process's rank of an arm: torchtitan's model, its AdamW, its exchange events."""
 
     def __init__(self, context: protocol.ArmContext) -> None:
@@ -181,24 +180,12 @@ class TitanArm:
         local = {n: t.to_local() if isinstance(t, DTensor) else t for n, t in local.items()}
         return self.names.from_titan({n: t.detach() for n, t in local.items()})
 
-    def drain(self) -> list[protocol.StepRecord]:
-        return []
-
-    def info(self) -> dict[str, Any]:
-        """The MoE layers and the top-k, as the reference's arms record them."""
-        return {"moe_layers": self.moe_layers, "experts_per_token": self.cfg.num_experts_per_tok}
-
-    def graph_export(self) -> None:
-        return None
-
-    def graph_build(self) -> None:
-        return None
+    def info(self) -> protocol.ArmFacts:
+        """The MoE layers of the built model."""
+        return protocol.ArmFacts(moe_layers=tuple(self.moe_layers))
 
     def final_weights(self) -> Mapping[int, Mapping[str, torch.Tensor]]:
         return {self.rank: self._named(lambda p: p)}
-
-    def close(self) -> None:
-        pass
 
 
 def _grad(param: torch.Tensor) -> torch.Tensor:
@@ -206,7 +193,23 @@ def _grad(param: torch.Tensor) -> torch.Tensor:
     return param.grad if param.grad is not None else torch.zeros_like(param)
 
 
-class Torchtitan:
+def arm_facts(config: TitanConfig) -> protocol.ArmFacts:
+    """What the checks know of an arm: the MoE layers of its model, each exchanging its tokens whole
+    (one chunk, one buffer set), and the counts forced-balanced routing gives."""
+    from harness.reference.model import get_config
+
+    model = get_config(config.model)
+    return protocol.ArmFacts(
+        moe_layers=tuple(layer for layer in range(model.num_hidden_layers) if model.is_moe_layer(layer)),
+        chunks=1,
+        num_buffer_sets=1,
+        forced_balanced=config.routing == "forced-balanced",
+        experts_per_token=model.num_experts_per_tok,
+        tokens_per_step=config.local_batch * config.seq_len,
+    )
+
+
+class Torchtitan(protocol.SubjectBase):
     """The subject: its arms are :class:`TitanConfig` tables, one logical rank per process."""
 
     name = "torchtitan"
@@ -227,11 +230,13 @@ class Torchtitan:
         titan = (Path(found.origin).parent,) if found is not None and found.origin else ()
         self.source = (Path(__file__).resolve(), Path(oracles.__file__).resolve().parent / "torchtitan.py", *titan)
 
-    def parse_arms(self, tables: protocol.SuiteTables, reader: SuiteReader) -> dict[str, ArmSpec]:
+    def parse_arms(self, tables: protocol.SuiteTables, reader: protocol.SuiteReader) -> dict[str, ArmSpec]:
         if problem := oracles.missing_dependency("torchtitan"):
             raise reader.error("subject", problem)
         positive = ("local_batch", "seq_len", "lr", "max_norm")
-        return dataclass_arms(tables, reader, TitanConfig, self.families, positive, subject=f'subject "{self.name}"')
+        return dataclass_arms(
+            tables, reader, TitanConfig, self.families, positive, subject=f'subject "{self.name}"', facts=arm_facts
+        )
 
     def build(self, context: protocol.ArmContext) -> TitanArm:
         return TitanArm(context)

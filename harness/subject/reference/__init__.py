@@ -18,7 +18,6 @@ from harness.subject.reference.arms import TRAIN_FIELDS, parse_arms
 from harness.trust import TrustError
 
 if TYPE_CHECKING:
-    from harness.checks.registry import SuiteReader
     from harness.op_divergence import OpRecorder
     from harness.specs import ArmSpec
 
@@ -28,10 +27,11 @@ class ReferenceSubject:
 
     name = "reference"
     families = frozenset(protocol.FAMILIES)
+    capabilities = frozenset(protocol.CAPABILITIES)
     source = (Path(harness.reference.__file__).resolve().parent,)
     train_fields = TRAIN_FIELDS
 
-    def parse_arms(self, tables: protocol.SuiteTables, reader: SuiteReader) -> dict[str, ArmSpec]:
+    def parse_arms(self, tables: protocol.SuiteTables, reader: protocol.SuiteReader) -> dict[str, ArmSpec]:
         return parse_arms(tables, reader)
 
     def build(self, context: protocol.ArmContext) -> protocol.Arm:

@@ -25,7 +25,15 @@ from harness.reference.pec import PECConfig, PECTrainer
 from harness.reference.pipeline import PipelineConfig, VersionedTrainer
 from harness.reference.train import RankUpdate as ReferenceUpdate
 from harness.reference.train import Trainer
-from harness.subject.protocol import ArmContext, CheckpointRefused, OpsNotRecordable, RankUpdate, StepRecord
+from harness.subject.protocol import (
+    ArmBase,
+    ArmContext,
+    ArmFacts,
+    CheckpointRefused,
+    OpsNotRecordable,
+    RankUpdate,
+    StepRecord,
+)
 from harness.subject.reference.arms import train_config
 from harness.subject.reference.op_trace import prepare_recording
 
@@ -34,12 +42,10 @@ if TYPE_CHECKING:
 
 # PipelineConfig.trainer -> the class that runs such an arm.
 PIPELINE_TRAINERS: dict[str, type[Trainer]] = {"versioned": VersionedTrainer, "delayed-oracle": DelayedOracleTrainer}
-# The module a chunk root names, by MoE layer (Hugging Face module names); see TrainConfig.chunk_roots.
-CHUNK_ROOTS = {"moe": "model.layers.{layer}.mlp", "block": "model.layers.{layer}"}
 _STEP_FIELDS = ("step", "loss", "grad_norm", "tokens", "step_time_s")
 
 
-class ReferenceArm:
+class ReferenceArm(ArmBase):
     """The reference's trainer for one arm, behind the harness's Arm protocol."""
 
     def __init__(self, context: ArmContext) -> None:
@@ -138,21 +144,14 @@ class ReferenceArm:
             return []
         return [self._record(result) for result in self.trainer.drain()]
 
-    def info(self) -> dict[str, Any]:
-        """The MoE layers (Hugging Face layer indices), each one's chunk root, and the top-k."""
-        layers = list(self.trainer.moe_layers)
-        roots = CHUNK_ROOTS[self.config.chunk_roots]
-        return {
-            "moe_layers": layers,
-            "chunk_roots": [roots.format(layer=layer) for layer in layers],
-            "experts_per_token": self.config.model_config().num_experts_per_tok,
-            "resumed_from": self.resumed_from,  # the update a fresh launch loaded a checkpoint of
-        }
+    def info(self) -> ArmFacts:
+        """The MoE layers of the built model, and the update a fresh launch loaded a checkpoint of."""
+        return ArmFacts(moe_layers=tuple(self.trainer.moe_layers), resumed_from=self.resumed_from)
 
-    def graph_export(self) -> dict | None:
+    def graph_export(self) -> dict:
         return self.trainer.graph_export
 
-    def graph_build(self) -> dict | None:
+    def graph_build(self) -> dict:
         return self.trainer.graph_build
 
     def final_weights(self) -> Mapping[int, Mapping[str, torch.Tensor]]:

@@ -26,7 +26,7 @@ import typing
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from harness import oracles
 from harness.reference.hf_config import HF_BASE, HFConfigError, hf_config_fields
@@ -37,9 +37,6 @@ from harness.reference.train import TRACED, TrainConfig
 from harness.specs import ArmSpec
 from harness.subject import protocol
 from harness.subject.config import display_path, field_types, show
-
-if TYPE_CHECKING:
-    from harness.checks.registry import SuiteReader
 
 # Setting any of these makes an arm versioned; any of the PEC ones makes its embedding a PEC table.
 PIPELINE_FIELDS = tuple(
@@ -79,6 +76,10 @@ BASE_FAMILIES = (
     protocol.FINAL_WEIGHTS,
     protocol.TOKEN_EXCHANGE,
 )
+# The module a chunk root names, by MoE layer (Hugging Face module names); see TrainConfig.chunk_roots.
+CHUNK_ROOTS = {"moe": "model.layers.{layer}.mlp", "block": "model.layers.{layer}"}
+# Fields that change how an arm trains, not what it computes: a resumed arm may differ from its straight one in them.
+HOW_ONLY = ("retention", "checkpoint_fault")
 
 
 def is_versioned(train: dict[str, Any]) -> bool:
@@ -134,6 +135,30 @@ def families(config: TrainConfig, oracle: str | None) -> tuple[str, ...]:
     return tuple(found)
 
 
+def arm_facts(config: TrainConfig) -> protocol.ArmFacts:
+    """What the checks know of an arm of this config: its MoE layers and their chunk roots, how its
+    tokens are exchanged and routed, and a delayed pipeline's or a PEC table's trainer."""
+    model = config.model_config()
+    layers = tuple(layer for layer in range(model.num_hidden_layers) if model.is_moe_layer(layer))
+    pipeline = config if isinstance(config, PipelineConfig) else None
+    return protocol.ArmFacts(
+        moe_layers=layers,
+        chunks=config.chunks if config.chunking != "none" else 1,
+        num_buffer_sets=config.num_buffer_sets,
+        chunk_roots=tuple(CHUNK_ROOTS[config.chunk_roots].format(layer=layer) for layer in layers),
+        forced_balanced=config.routing == "forced-balanced",
+        experts_per_token=model.num_experts_per_tok,
+        tokens_per_step=config.local_batch * config.seq_len,
+        pipeline=pipeline.trainer if pipeline else None,
+        delay=pipeline.delay if pipeline else None,
+        correction=pipeline.correction if pipeline else None,
+        correction_clip=pipeline.correction_clip if pipeline else None,
+        recomputes=pipeline is not None and pipeline.retention == "replay",
+        pec=config.pec if isinstance(config, PECConfig) else None,
+        how_only=HOW_ONLY,
+    )
+
+
 @dataclass(frozen=True)
 class _Model:
     """[model] resolved: the reference's config name and the fields set away from it (what the
@@ -145,14 +170,14 @@ class _Model:
     n_routed_experts: int
 
 
-def parse_arms(tables: protocol.SuiteTables, v: SuiteReader) -> dict[str, ArmSpec]:
+def parse_arms(tables: protocol.SuiteTables, v: protocol.SuiteReader) -> dict[str, ArmSpec]:
     """Every [arms.NAME] table over [train] and [model], as the reference's configs."""
     model = _model(tables.model, tables.suite_file, v)
     base = _train_table(tables.train, "train", tuple(TRAIN_FIELDS), v)
     return {v.name(arm, f"arms.{arm}"): _arm(arm, table, base, model, tables, v) for arm, table in tables.arms.items()}
 
 
-def _train_table(raw: Any, dotted: str, allowed: tuple[str, ...], v: SuiteReader) -> dict[str, Any]:
+def _train_table(raw: Any, dotted: str, allowed: tuple[str, ...], v: protocol.SuiteReader) -> dict[str, Any]:
     table = v.table(raw, dotted, allowed)
     return {
         k: v.typed(value, f"{dotted}.{k}", TRAIN_FIELDS[k], k in POSITIVE)
@@ -161,14 +186,14 @@ def _train_table(raw: Any, dotted: str, allowed: tuple[str, ...], v: SuiteReader
     }
 
 
-def _model_value(value: Any, dotted: str, key: str, v: SuiteReader) -> Any:
+def _model_value(value: Any, dotted: str, key: str, v: protocol.SuiteReader) -> Any:
     """One DeepseekV3Config field, typed by its annotation; null only where it allows None."""
     if value is None and key in _MODEL_NULLABLE:
         return None
     return v.typed(value, dotted, MODEL_FIELDS[key], key in _MODEL_POSITIVE)
 
 
-def _model(raw: Any, suite_file: Path, v: SuiteReader) -> _Model:
+def _model(raw: Any, suite_file: Path, v: protocol.SuiteReader) -> _Model:
     """[model]: ``config``, a named config or a Hugging Face config.json, then any DeepseekV3Config
     fields replacing its values. A field that makes the model invalid is named where it was set."""
     if not isinstance(raw, dict):
@@ -179,7 +204,7 @@ def _model(raw: Any, suite_file: Path, v: SuiteReader) -> _Model:
             hint = f"did you mean {near[0]}? " if near else ""
             raise v.error(f"model.{key}", f"unknown key ({hint}allowed: config and the DeepseekV3Config fields)")
     shown = v.str_(raw.get("config", TrainConfig.model), "model.config")
-    where: dict[str, tuple[SuiteReader, str]] = {}  # field -> the reader of its file, its dotted key
+    where: dict[str, tuple[protocol.SuiteReader, str]] = {}  # field -> the reader of its file, its dotted key
     if shown in CONFIGS:
         name, values = shown, {}
     elif shown.endswith(".json") or "/" in shown:
@@ -204,7 +229,7 @@ def _model(raw: Any, suite_file: Path, v: SuiteReader) -> _Model:
 
 
 def _hf_config(
-    shown: str, suite_file: Path, where: dict[str, tuple[SuiteReader, str]], v: SuiteReader
+    shown: str, suite_file: Path, where: dict[str, tuple[protocol.SuiteReader, str]], v: protocol.SuiteReader
 ) -> dict[str, Any]:
     """The fields a Hugging Face config.json sets, typed; errors name the JSON file and key.
     A relative path is relative to the suite file, or to the working directory from --set."""
@@ -232,7 +257,7 @@ def _hf_config(
 
 
 def _arm(
-    name: str, raw: Any, base: dict[str, Any], model: _Model, tables: protocol.SuiteTables, v: SuiteReader
+    name: str, raw: Any, base: dict[str, Any], model: _Model, tables: protocol.SuiteTables, v: protocol.SuiteReader
 ) -> ArmSpec:
     """One [arms.NAME] table over [train]; its ``model``, a named config, replaces [model]'s
     ``config`` and keeps [model]'s field overrides."""
@@ -296,11 +321,12 @@ def _arm(
         oracle=oracle,
         resume_at=resume_at,
         resume_ranks=resume_ranks,
+        facts=arm_facts(config),
     )
 
 
 def _resume(
-    raw: dict, dotted: str, config: TrainConfig, oracle: str | None, steps: int, v: SuiteReader
+    raw: dict, dotted: str, config: TrainConfig, oracle: str | None, steps: int, v: protocol.SuiteReader
 ) -> tuple[int | None, int | None]:
     """``resume_at`` (a step in 1..steps-1: the save) and ``resume_ranks`` (the processes that load,
     dividing the EP degree), for an arm whose whole state a checkpoint holds: a plain, versioned or
@@ -325,7 +351,7 @@ def _resume(
     return at, ranks
 
 
-def _oracle(value: Any, dotted: str, config: TrainConfig, v: SuiteReader) -> str:
+def _oracle(value: Any, dotted: str, config: TrainConfig, v: protocol.SuiteReader) -> str:
     """An oracle the arm's configuration has a counterpart in, and whose package is installed."""
     oracle = v.str_(value, dotted, tuple(oracles.ORACLES))
     problem = UNSUPPORTED_BY[oracle](config) or oracles.missing_dependency(oracle)
@@ -385,7 +411,7 @@ def unsupported_by_torchrec(config: TrainConfig) -> str | None:
 UNSUPPORTED_BY = {"hf": unsupported_by_hf, "torchtitan": unsupported_by_torchtitan, "torchrec": unsupported_by_torchrec}
 
 
-def _pipeline(config: PipelineConfig, source: Callable[[str], str], steps: int, v: SuiteReader) -> None:
+def _pipeline(config: PipelineConfig, source: Callable[[str], str], steps: int, v: protocol.SuiteReader) -> None:
     """What the reference accepts but can never run: it would only fail inside the ranks."""
     if config.delay > config.max_gradient_staleness:
         # The backward of every batch after the fill would be refused (CommitRefused): reject it here, exit 2.
