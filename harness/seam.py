@@ -6,10 +6,11 @@ defines (harness/subject/protocol.py) is held to what the run asked for, here an
 
 * ``StepRecord`` (``Arm.step``, ``Arm.drain``): a StepRecord; ``step`` an int, a step of the run
   (1..steps), each the one after the last (none missing, repeated or out of order; a resumed
-  launch goes on from the last one its first launch wrote), and after a full drain the last one
-  is the run's last; ``loss`` a number and ``grad_norm`` a number not below 0 (NaN and infinity
-  are findings, which the checks judge); ``tokens`` an int >= 0; ``step_time_s`` a finite number
-  >= 0; ``extra`` JSON columns with string keys, none of them a field above.
+  launch goes on from the last one its first launch wrote); an arm that ends short of the run's last
+  step made no false record, and the checks say where it stopped; ``loss`` a number and
+  ``grad_norm`` a number not below 0 (NaN and infinity are findings, which the checks judge);
+  ``tokens`` an int >= 0; ``step_time_s`` a finite number >= 0; ``extra`` JSON columns with string
+  keys, none of them a field above.
 * ``Recorder`` calls: ``logical_rank`` one this process hosts; ``step`` a step of the run, each
   logical rank's in increasing order per family; a ``RankUpdate`` of numbers and name -> tensor
   mappings; gradients name -> tensor; events and fidelity lines JSON objects with string keys.
@@ -81,11 +82,6 @@ class ReceivedRecords:
         self._json(record.extra, f"{what}: extra")
         self.next += 1
         return record
-
-    def all_drained(self) -> None:
-        """After the arm's last step and its drain: the last StepRecord was the run's last step."""
-        if self.next != self.steps + 1:
-            self._bad(f"the arm ended after StepRecord step {self.next - 1}, the run asked for {self.steps} steps")
 
     def rank_update(self, logical_rank: int, step: int, update: object) -> None:
         self._declared(RANK_UPDATES, "rank_update")

@@ -416,14 +416,11 @@ def run_arm(
             if recording is not None and op_recorder is None:  # refused: the op file says why
                 return
             planned = range(segment.first_step, last + 1)
-            stopped = False
 
             def before(step: int) -> bool:
-                nonlocal stopped
                 if op_recorder is not None:
                     op_recorder.step = step
-                stopped = not _inject_fault(debug, spec.name, step, rank)
-                return not stopped
+                return _inject_fault(debug, spec.name, step, rank)
 
             for record in map(received.step_record, updates(arm, planned, before, drain=last == steps)):
                 updates_done, last_update = updates_done + 1, record.step
@@ -434,8 +431,6 @@ def run_arm(
                     f"[arm {spec.name}] step {record.step}/{steps} loss={record.loss!r} grad_norm={record.grad_norm!r}",
                     flush=True,
                 )
-            if last == steps and not stopped:
-                received.all_drained()
         if segment.checkpoint == "save":
             with phases.phase("save", arm=spec.name):
                 arm.save_checkpoint(files.checkpoint, last)
