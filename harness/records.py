@@ -14,9 +14,9 @@ from pathlib import Path
 from types import TracebackType
 from typing import TYPE_CHECKING, Any
 
+from harness.families import ArmFacts
 from harness.files import naming_file
 from harness.rundir import THROUGHPUT, arm_files
-from harness.subject.protocol import ArmFacts
 
 if TYPE_CHECKING:
     import pandas as pd

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from harness.subject.protocol import ArmFacts
+from harness.families import ArmFacts
 
 
 @dataclass(frozen=True)
