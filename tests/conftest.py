@@ -61,8 +61,9 @@ def _command(args: tuple) -> list[str]:
     return [sys.executable, "-m", "harness", *map(str, args)]
 
 
-# A test that asks for one of these runs the harness's CLI in a subprocess, rank processes and all.
-E2E_FIXTURES = frozenset({"run_harness", "start_harness"})
+# A test that asks for one of these runs the harness's CLI in a subprocess, rank processes and all
+# (``installed``: a wheel's harness, in a fresh venv: tests/test_package.py).
+E2E_FIXTURES = frozenset({"run_harness", "start_harness", "installed"})
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:

@@ -8,6 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 REPO = Path(__file__).resolve().parent.parent
 SMOKE = REPO / "benchmarks" / "gpu_smoke.sh"
 
@@ -22,6 +24,7 @@ def test_the_smoke_script_parses() -> None:
     assert subprocess.run(["bash", "-n", str(SMOKE)], capture_output=True).returncode == 0
 
 
+@pytest.mark.e2e  # the script runs the harness's CLI
 def test_every_item_of_the_smoke_that_runs_on_cpu_passes_there(tmp_path: Path) -> None:
     run = _smoke(tmp_path, STEPS="2")
     assert run.returncode == 0, run.stdout + run.stderr
@@ -44,6 +47,7 @@ def test_every_item_of_the_smoke_that_runs_on_cpu_passes_there(tmp_path: Path) -
     assert not any(line.startswith("FAIL") for line in lines)
 
 
+@pytest.mark.e2e  # the script runs the harness's CLI
 def test_a_run_that_fails_is_a_fail_line_naming_its_exit_and_the_smoke_exits_1(tmp_path: Path) -> None:
     run = _smoke(tmp_path, STEPS="1", SET="debug.fail_step=1", ONLY="doctor determinism")
     assert run.returncode == 1, run.stdout + run.stderr
