@@ -33,6 +33,7 @@ from typing import Any, NoReturn
 import torch
 
 from harness.subject.protocol import (
+    ARM_METHODS,
     FAMILIES,
     FIDELITY,
     GRADIENT_DIGESTS,
@@ -43,6 +44,7 @@ from harness.subject.protocol import (
     BadRecord,
     RankUpdate,
     StepRecord,
+    undeclared_methods,
 )
 
 _STEP_FIELDS = ("step", "loss", "grad_norm", "tokens", "step_time_s")
@@ -60,6 +62,12 @@ class ReceivedRecords:
         self.hosted, self.steps, self.next = hosted, steps, first
         self.families = frozenset(families)
         self._last: dict[tuple[str, int], int] = {}  # (family, logical rank) -> its last step
+
+    def built(self, arm: object, declared: Iterable[str]) -> None:
+        """A built arm has the methods its declared families (and ``declared``, its subject's capabilities
+        it uses) call for: else the subject's fault, before any step."""
+        if lacking := undeclared_methods(arm, self.families | set(declared), ARM_METHODS):
+            self._bad(f"{type(arm).__name__} declares what calls for {lacking[0]} without it")
 
     def step_record(self, record: object) -> StepRecord:
         """``record`` (what ``Arm.step`` or ``drain`` returned, not None), checked, and the next step expected."""

@@ -68,6 +68,7 @@ from harness.seam import ReceivedRecords
 from harness.specs import ArmSpec, DebugSpec, SuiteSpec
 from harness.subject import Subject, subject_of
 from harness.subject.protocol import (
+    CHECKPOINT,
     FINAL_WEIGHTS,
     GRAPH,
     Arm,
@@ -346,6 +347,11 @@ def _recording_ops(
         write_captured(files.captured(rank), recorder.captured or [])
 
 
+def _uses(subject: Subject, spec: ArmSpec) -> tuple[str, ...]:
+    """The capabilities of its subject that an arm uses: checkpointing, when it resumes."""
+    return (CHECKPOINT,) if spec.resume_at and CHECKPOINT in subject.capabilities else ()
+
+
 def _received(spec: ArmSpec, steps: int, first: int = 1) -> ReceivedRecords:
     """The checks of what the arm hands this rank (harness/seam.py): process p of P hosts logical
     ranks [p*L/P, (p+1)*L/P) of L; ``first``: the step its next StepRecord must carry."""
@@ -397,6 +403,7 @@ def run_arm(
         with phases.phase("build", arm=spec.name) as build:
             arm = subject.build(ArmContext(spec, device, steps, None if ops is not None else recorder, cache_dir))
             stack.callback(arm.close)
+            received.built(arm, _uses(subject, spec))
             if spec.emits(GRAPH):
                 build["graph"] = received.graph_build(arm.graph_build())
         if segment.checkpoint == "load":  # a subject that cannot checkpoint was refused at load
@@ -473,6 +480,7 @@ class _TimedArm:
         _seeded(spec)
         self.received = _received(spec, total_steps)
         self.arm = subject.build(ArmContext(spec, device, total_steps, None, cache))
+        self.received.built(self.arm, ())
         self.slow_fraction = slow_fraction
         self.next_step = 1
 

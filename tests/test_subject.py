@@ -514,3 +514,43 @@ def test_a_resumed_arm_of_a_subject_that_cannot_checkpoint_is_refused_at_load(tm
     assert str(error.value).endswith(
         'arms.a.resume_at: subject "tiny-dp" does not declare the checkpoint capability: no arm of it resumes'
     )
+
+
+def test_a_declared_part_without_its_method_is_refused_where_it_is_declared() -> None:
+    """No default raises at run time: the seam's bases leave out what a declaration calls for, and
+    whoever declares it without the method is refused (a subject at load, exit 2; an arm in its rank)."""
+    from harness.seam import ReceivedRecords
+    from harness.subject.protocol import (
+        ARM_METHODS,
+        FINAL_WEIGHTS,
+        GRAPH,
+        RECORD_OPS,
+        SUBJECT_METHODS,
+        ArmBase,
+        BadRecord,
+        SubjectBase,
+        undeclared_methods,
+    )
+
+    class StepOnly(ArmBase):
+        def step(self, step: int) -> None:
+            return None
+
+    with pytest.raises(TypeError, match="abstract method step"):
+        type("NoStep", (ArmBase,), {})()
+    assert undeclared_methods(StepOnly(), {FINAL_WEIGHTS, GRAPH}, ARM_METHODS) == ["graph_export", "final_weights"]
+    received = ReceivedRecords("a", 0, range(0, 1), 2, families={protocol.METRICS, FINAL_WEIGHTS})
+    with pytest.raises(BadRecord, match="arm 'a', rank 0: StepOnly declares what calls for final_weights without it"):
+        received.built(StepOnly(), ())
+    ReceivedRecords("a", 0, range(0, 1), 2, families={protocol.METRICS}).built(StepOnly(), ())
+
+    class ClaimsOps(SubjectBase):
+        capabilities = frozenset({RECORD_OPS})
+
+        def parse_arms(self, tables, reader):
+            return {}
+
+        def build(self, context):
+            return StepOnly()
+
+    assert undeclared_methods(ClaimsOps(), ClaimsOps.capabilities, SUBJECT_METHODS) == ["record_ops"]

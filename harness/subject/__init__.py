@@ -31,7 +31,15 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from harness.subject.protocol import CAPABILITIES, TRACE_CACHE, Subject, SubjectError, SubjectFault
+from harness.subject.protocol import (
+    CAPABILITIES,
+    SUBJECT_METHODS,
+    TRACE_CACHE,
+    Subject,
+    SubjectError,
+    SubjectFault,
+    undeclared_methods,
+)
 from harness.trust import TrustError, check_path
 
 if TYPE_CHECKING:
@@ -173,6 +181,8 @@ def _made(name: str, find_factory: Callable[[], object]) -> Subject:
         raise SubjectError(
             f'subject "{name}": capabilities {", ".join(unknown)} are not known ({", ".join(CAPABILITIES)})'
         )
+    if lacking := undeclared_methods(subject, subject.capabilities, SUBJECT_METHODS):
+        raise SubjectError(f'subject "{name}": {type(subject).__name__} declares {lacking[0]}\'s capability without it')
     return subject
 
 

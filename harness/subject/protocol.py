@@ -54,6 +54,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+from abc import ABC, abstractmethod
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -88,6 +89,22 @@ CHECKPOINT = "checkpoint"  # Arm.save_checkpoint and load_checkpoint: a suite's 
 RECORD_OPS = "record-ops"  # Subject.record_ops: harness run --first-op
 TRACE_CACHE = "trace-cache"  # Subject.cache_problem: its arms reuse what they keep in ArmContext.cache_dir
 CAPABILITIES = (CHECKPOINT, RECORD_OPS, TRACE_CACHE)
+# The methods a declared record family or capability calls for, of an arm (ArmSpec.families, and its
+# subject's CHECKPOINT where it resumes) and of a subject (Subject.capabilities): whoever declares one
+# without them is refused.
+ARM_METHODS: dict[str, tuple[str, ...]] = {
+    GRAPH: ("graph_export",),
+    FINAL_WEIGHTS: ("final_weights",),
+    CHECKPOINT: ("save_checkpoint", "load_checkpoint"),
+}
+SUBJECT_METHODS: dict[str, tuple[str, ...]] = {RECORD_OPS: ("record_ops",), TRACE_CACHE: ("cache_problem",)}
+
+
+def undeclared_methods(obj: object, declared: Iterable[str], methods: Mapping[str, tuple[str, ...]]) -> list[str]:
+    """The ``methods`` that ``obj`` lacks of those its ``declared`` parts call for, in ``methods``' order."""
+    declared = set(declared)
+    wanted = (method for part, calls in methods.items() if part in declared for method in calls)
+    return [method for method in wanted if not callable(getattr(obj, method, None))]
 
 
 class SubjectError(Exception):
@@ -243,13 +260,15 @@ class Arm(Protocol):
         """Releases threads and memory; called once, also after a failure."""
 
 
-class ArmBase:
-    """An :class:`Arm` with the defaults: a subclass writes ``step`` and what its declared families and
-    capabilities call for. Nothing to drain, no facts beyond those declared, nothing to close; a
-    method of a family or capability the arm does not declare is never called, and here raises."""
+class ArmBase(ABC):
+    """An :class:`Arm` with the defaults: a subclass writes ``step``, and the methods its declared
+    families and capabilities call for (``graph_export`` for GRAPH, ``final_weights`` for FINAL_WEIGHTS,
+    ``save_checkpoint`` and ``load_checkpoint`` for CHECKPOINT): a rank refuses an arm that declares one
+    without its method (:data:`ARM_METHODS`). Nothing to drain, no facts beyond those declared,
+    nothing to close."""
 
-    def step(self, step: int) -> StepRecord | None:
-        raise NotImplementedError(f"{type(self).__name__}.step")
+    @abstractmethod
+    def step(self, step: int) -> StepRecord | None: ...
 
     def drain(self) -> Iterable[StepRecord]:
         return ()
@@ -259,18 +278,6 @@ class ArmBase:
 
     def graph_build(self) -> Mapping[str, Any]:
         return {}
-
-    def graph_export(self) -> Mapping[str, Any]:
-        raise NotImplementedError(f"{type(self).__name__}.graph_export: its arm declares the {GRAPH} family")
-
-    def final_weights(self) -> Mapping[int, Mapping[str, torch.Tensor]]:
-        raise NotImplementedError(f"{type(self).__name__}.final_weights: its arm declares {FINAL_WEIGHTS}")
-
-    def save_checkpoint(self, folder: Path, step: int) -> None:
-        raise NotImplementedError(f"{type(self).__name__}.save_checkpoint: its subject declares {CHECKPOINT}")
-
-    def load_checkpoint(self, folder: Path, step: int) -> None:
-        raise NotImplementedError(f"{type(self).__name__}.load_checkpoint: its subject declares {CHECKPOINT}")
 
     def close(self) -> None:
         pass
@@ -310,7 +317,7 @@ class Subject(Protocol):
         before any re-run is launched (``harness run --first-op``)."""
 
 
-class SubjectBase:
+class SubjectBase(ABC):
     """A :class:`Subject` with the defaults: a subclass writes ``parse_arms`` and ``build``. Its name is
     its class's, its arms record metrics only, it has no optional part, its code is its class's file,
     and no field may be set by a bare ``--set``."""
@@ -327,17 +334,11 @@ class SubjectBase:
     def source(self) -> tuple[Path, ...]:
         return (Path(inspect.getfile(type(self))).resolve(),)
 
-    def parse_arms(self, tables: SuiteTables, reader: SuiteReader) -> dict[str, ArmSpec]:
-        raise NotImplementedError(f"{type(self).__name__}.parse_arms")
+    @abstractmethod
+    def parse_arms(self, tables: SuiteTables, reader: SuiteReader) -> dict[str, ArmSpec]: ...
 
-    def build(self, context: ArmContext) -> Arm:
-        raise NotImplementedError(f"{type(self).__name__}.build")
-
-    def cache_problem(self, cache_dir: Path) -> str | None:
-        raise NotImplementedError(f"{type(self).__name__}.cache_problem: it declares {TRACE_CACHE}")
-
-    def record_ops(self, arm: Arm, recorder: OpRecorder) -> None:
-        raise NotImplementedError(f"{type(self).__name__}.record_ops: it declares {RECORD_OPS}")
+    @abstractmethod
+    def build(self, context: ArmContext) -> Arm: ...
 
 
 @dataclass(frozen=True)
