@@ -3,7 +3,7 @@
 summary.json, report and console must name the op the bug is in, without touching the verdict.
 
 The runs are cpu-tiny on 2 gloo processes for 1 step, two eager arms (the in-process tests of
-harness/op_divergence/ cover traced arms, tests/test_op_divergence.py).
+harness/op_divergence/ cover traced arms, tests/op_divergence/test_op_divergence.py).
 """
 
 from __future__ import annotations

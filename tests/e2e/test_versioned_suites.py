@@ -254,7 +254,7 @@ def test_min_clipped_frac_needs_every_stale_step_clipped() -> None:
     [(0, "expected a number > 0, got 0"), (1.5, "expected a fraction in (0, 1], got 1.5"), ("x", "expected a number")],
 )
 def test_min_clipped_frac_is_validated(tmp_path: Path, value: object, message: str) -> None:
-    text = (Path(__file__).parent.parent / "suites" / "strict-vs-stale.toml").read_text()
+    text = (Path(__file__).resolve().parents[2] / "suites" / "strict-vs-stale.toml").read_text()
     path = tmp_path / "suite.toml"
     path.write_text(text.replace("min_clipped_frac = 0.2", f"min_clipped_frac = {value!r}".replace("'", '"')))
     with pytest.raises(SuiteError, match="min_clipped_frac: " + message.replace("(", r"\(").replace(")", r"\)")):

@@ -17,7 +17,7 @@ from harness.records import read_jsonl
 from harness.subject import ENTRY_POINT_GROUP, SubjectError, load_subject, protocol
 from harness.suites import SuiteError, load_suite
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 TINY_DP = REPO / "examples" / "tiny-dp.toml"
 
 

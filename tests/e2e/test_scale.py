@@ -10,7 +10,7 @@ import torch
 
 from harness.reference.ep.group import LogicalGroup
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 
 
 def test_scale_suite_holds_bit_for_bit_at_ep_16_32_and_64_and_matches_its_golden(run_harness, tmp_path: Path) -> None:

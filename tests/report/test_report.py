@@ -11,7 +11,7 @@ import pytest
 from harness.compare import Exact, compare_arms
 from harness.report import format_verdict_table, write_html, write_junit
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 
 
 def metrics(steps=12, perturb_at=None):

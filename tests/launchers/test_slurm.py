@@ -24,7 +24,7 @@ from harness.manifest import ManifestError
 from harness.plan import LaunchGroup
 from harness.suites import SuiteError
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 CLUSTER = REPO / "slurm" / "local-cluster.sh"
 # Every job of a test: a small run, so the file stays quick on two cores.
 FAST = ("--steps", 3, "--golden", "off")

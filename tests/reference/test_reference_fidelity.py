@@ -35,7 +35,7 @@ from harness.oracles.hf import hf_config  # noqa: E402  (needs transformers)
 RTOL = 1e-5
 CFG = get_config("cpu-tiny", n_group=4, topk_group=2, num_experts_per_tok=3, routed_scaling_factor=2.5)
 BATCH, SEQ = 4, 16
-FIXTURE = Path(__file__).parent / "fixtures" / "deepseek-v3-tiny" / "config.json"
+FIXTURE = Path(__file__).resolve().parents[1] / "fixtures" / "deepseek-v3-tiny" / "config.json"
 # YaRN as DeepSeek-V3 ships it (mscale = mscale_all_dim: cos/sin unscaled, the softmax scaled by
 # mscale^2), with the two mscales apart (cos/sin scaled too), and without them and truncation.
 YARN = {

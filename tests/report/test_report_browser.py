@@ -18,7 +18,7 @@ from throughput_runs import write_throughput_run
 
 from harness.report import read_throughput, write_html
 
-INSTALL = Path(__file__).resolve().parent.parent / ".ci" / "install-chromium"
+INSTALL = Path(__file__).resolve().parents[2] / ".ci" / "install-chromium"
 INCONCLUSIVE_BANNER_RGB = (0x8A, 0x6D, 0x00)  # .banner.inconclusive in the report's CSS
 # Chromium's own calls home are refused on a closed network, many at a time: keep it quiet.
 QUIET = ("--disable-background-networking", "--disable-component-update", "--disable-sync", "--no-first-run")

@@ -20,7 +20,7 @@ from harness.reference.pec import PECConfig
 from harness.reference.pipeline import PipelineConfig
 from harness.reference.train import TrainConfig, Trainer
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 
 
 def test_mixed_precision_keeps_fp32_weights_state_and_gradients_and_computes_in_bf16() -> None:
