@@ -45,7 +45,7 @@ from harness.op_divergence.files import read_captured, read_ops
 from harness.op_divergence.record import OpRecord
 from harness.phases import read_rank_phases
 from harness.plan import LaunchGroup, plan_launches
-from harness.prepare import PreparedRun, rank_env
+from harness.prepare import PreparedRun
 from harness.records import RecordError, RunRecords, read_jsonl
 from harness.results import CheckResult
 from harness.rundir import FIRST_OP_DIR, RunDirError, arm_files, fresh_dir
@@ -89,8 +89,9 @@ def locate_first_op(
         return judgement
     index = min(failed)[1]
     check = judgement.checks[index]
-    with run.phases.phase("first-op"):
-        result = _locate(run, records, check, mode, launch, out)
+    started = time.time()
+    result = _locate(run, records, check, mode, launch, out)  # never raises
+    run.phases.add("first-op", started, time.time())
     _say(result["line"], out)
     checks = [*judgement.checks]
     checks[index] = dataclasses.replace(check, extra={**check.extra, "first_op_divergence": result})
@@ -212,8 +213,8 @@ class _Rerun:
         suite = _rerun_suite(self.run.suite, self.arms, steps)
         groups = [dataclasses.replace(g, record_ops=True, capture_ops=capture) for g in plan_launches(suite)]
         dataclasses.replace(self.run.manifest, suite=suite.to_dict(), launches=groups).write(root)
-        env = rank_env(self.run)
-        context = LaunchContext(root, self.deadline, self.budget_s, env, subject_source=self.run.subject.source)
+        run = self.run
+        context = LaunchContext(root, self.deadline, self.budget_s, run.env, subject_source=run.subject.source)
         for group in groups:
             self._launched(self.launch(group, context), group, name, root)
         return root

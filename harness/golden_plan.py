@@ -196,6 +196,7 @@ def plan_golden(
     """Resolves ``--golden`` for a suite whose configuration is ``config`` (see golden_config), run
     in the environment ``fingerprint`` (environment.fingerprint).
 
+    none is off for a run that has no golden at all (a throughput run's step times), so says nothing.
     auto and check compare with this env key's golden, else with a comparable golden of another
     environment at ``cross_env_tier``. Where none applies, check is an error and auto says so in
     its note. A golden of another configuration is an error under check and reported under auto;
@@ -216,8 +217,8 @@ def plan_golden(
     def shown(where: Path) -> str:
         return shown_path(where, golden_dir)
 
-    if requested == "off":
-        return plan("off", note="golden: not compared (--golden off)")
+    if requested in ("off", "none"):
+        return plan("off", note="golden: not compared (--golden off)" if requested == "off" else None)
     if requested == "update":
         try:
             existing = load_golden_for(path, suite) if path.is_file() else None

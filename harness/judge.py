@@ -18,17 +18,15 @@ from dataclasses import dataclass
 
 from harness.cancel import Cancelled
 from harness.checks import run_check
-from harness.checks.golden import drift_line
 from harness.environment import CpuPin
-from harness.golden_plan import rebless_command
 from harness.launchers import LaunchResult
 from harness.launching import Launched
 from harness.plan import LaunchGroup
 from harness.prepare import PreparedRun
 from harness.records import ArmRecords, RunRecords
-from harness.results import BAD_INPUT, DRIFT, REGRESSION, CheckResult
+from harness.results import BAD_INPUT, REGRESSION, CheckResult
 from harness.specs import CheckSpec, SuiteSpec
-from harness.verdict import apply_expectations, conclude, mark_not_evaluated, run_label, unrun_arms
+from harness.verdict import apply_expectations, conclude, label_line, mark_not_evaluated, run_label, unrun_arms
 
 log = logging.getLogger("harness")
 
@@ -65,35 +63,15 @@ def judge(run: PreparedRun, launched: Launched, records: RunRecords) -> Judgemen
         checks = [CheckResult("harness", "internal-error", "error", f"internal error: {type(e).__name__}: {e}")]
     checks, verdict, exit_code = conclude(checks, cancelled, launched.elapsed_s())
     label = run_label(checks, verdict)
+    line = label_line(checks, label, run.rebless)
     news = run.golden.outcome(checks)
     outcome = news.splitlines()[-1] if news else None
-    return Judgement(checks, verdict, exit_code, outcome, news, label, _line(run, checks, label))
-
-
-def _line(run: PreparedRun, checks: list[CheckResult], label: str | None) -> str | None:
-    """A failed run's last console line: drift names what changed and the command that re-records the golden."""
-    if label is None:
-        return None
-    if label != DRIFT:
-        return regression_line(checks)
-    return drift_line(checks, rebless_command(run.manifest.command, run.suite))
-
-
-def regression_line(checks: list[CheckResult]) -> str:
-    """The console's last line of a regression: the failed checks, the first three by name, and how
-    many more failed as drift."""
-    failed = [c.name for c in checks if c.label == REGRESSION]
-    names = ", ".join(failed[:3]) + (f" and {len(failed) - 3} more" if len(failed) > 3 else "")
-    drifted = sum(c.label == DRIFT for c in checks)
-    also = f" ({drifted} more failed as drift: see their rows)" if drifted else ""
-    return f"regression: {len(failed)} failed check{'s' if len(failed) != 1 else ''}: {names}{also}"
+    return Judgement(checks, verdict, exit_code, outcome, news, label, line)
 
 
 def _checks(run: PreparedRun, launched: Launched, records: RunRecords) -> list[CheckResult]:
     if launched.internal_error:
         return [CheckResult("harness", "internal-error", "error", launched.internal_error)]
-    if run.suite.throughput:  # the gate alone: a throughput run records block rows, not steps
-        return [*launch_checks(launched.results), *_run(run.checks, run.suite, records)]
     return collect_checks(run.suite, run.checks, run.groups, launched.results, records, run.pin)
 
 

@@ -18,12 +18,7 @@ from typing import TextIO
 from harness.cancel import Cancelled
 from harness.launchers import GroupLauncher, LaunchContext, LaunchResult
 from harness.phases import cache_notes, read_rank_phases
-from harness.plan import LaunchGroup
-from harness.prepare import PreparedRun, rank_env
-from harness.progress import BlockProgress, Progress
-from harness.records import read_jsonl
-from harness.rundir import THROUGHPUT, arm_files
-from harness.throughput import stop_reason
+from harness.prepare import PreparedRun
 
 log = logging.getLogger("harness")
 
@@ -45,18 +40,18 @@ class Launched:
 def launch_run(run: PreparedRun, launch: GroupLauncher, out: TextIO, err: TextIO) -> Launched:
     """Runs the groups of ``run`` with ``launch`` until the first failure; prints its error once the
     live progress is closed, then what the trace cache did where it went wrong."""
-    launched, options = Launched(), run.options
-    env = rank_env(run)
+    launched, options, kind = Launched(), run.options, run.kind
     try:
-        with contextlib.closing(_progress(run, out)) as progress:
+        with contextlib.closing(kind.progress(run.run_dir, run.groups, out, options.verbose)) as progress:
             deadline = time.monotonic() + options.timeout_s
-            context = LaunchContext(run.run_dir, deadline, options.timeout_s, env, progress.tick, run.subject.source)
+            source = run.subject.source
+            context = LaunchContext(run.run_dir, deadline, options.timeout_s, run.env, progress.tick, source)
             for group in run.groups:
                 with run.phases.phase("launch", group=group.name):
                     result = launch(group, context)
                 log.info("group %s: %s", group.name, result.headline or "ok")
                 launched.results.append(result)
-                if not result.ok or _measured_enough(run, group):
+                if not result.ok or kind.measured_enough(run.run_dir, group):
                     break
     except Cancelled as c:
         launched.cancelled = c
@@ -70,22 +65,3 @@ def launch_run(run: PreparedRun, launch: GroupLauncher, out: TextIO, err: TextIO
         print(line, file=out)
         log.info(line)
     return launched
-
-
-def _measured_enough(run: PreparedRun, group: LaunchGroup) -> bool:
-    """Whether a throughput run of one launch per block position may stop after ``group``
-    (harness/throughput.py's stop rule; a run in shared processes stops inside its one launch)."""
-    spec = run.suite.throughput
-    if spec is None or not spec.adaptive or len(group.measurements) != 1:
-        return False
-    return stop_reason(spec, read_jsonl(run.run_dir / THROUGHPUT)) is not None
-
-
-def _progress(run: PreparedRun, out: TextIO) -> Progress | BlockProgress:
-    """The live progress of a run: per arm, or per ABBA role of a throughput run."""
-    spec, verbose = run.suite.throughput, run.options.verbose
-    metrics = {arm: arm_files(run.run_dir, arm).metrics for group in run.groups for arm in group.arms}
-    if spec:
-        roles = {"A": spec.a, "B": spec.b, **({"control": spec.a} if spec.control else {})}
-        return BlockProgress(run.run_dir / THROUGHPUT, roles, spec.planned_blocks, out, verbose, spec.adaptive)
-    return Progress(metrics, run.suite.steps, out, verbose)

@@ -125,22 +125,15 @@ def write_golden_update(run: PreparedRun, launched: Launched, records: RunRecord
 
 def build_summary(run: PreparedRun, launched: Launched, records: RunRecords, judged: Judgement) -> Summary:
     """The summary of a judged run (docs/architecture.md, "The summary"), its timing still to come."""
-    suite, throughput = run.suite, run.suite.throughput
-    checks = [c.to_dict() for c in judged.checks]
-    arms = {
-        arm: {"ranks": spec.ranks, "ep": spec.logical_ranks}
-        | ({} if throughput else {"steps_completed": records[arm].steps_done()})
-        for arm, spec in suite.arms.items()
-        if arm in records or (throughput and arm in (throughput.a, throughput.b))
-    }
+    suite, checks = run.suite, [c.to_dict() for c in judged.checks]
     return Summary(
         suite=suite.name,
         subject=suite.subject,
         verdict=judged.verdict,
         exit_code=judged.exit_code,
         ranks=suite.ranks,
-        steps=throughput.steps if throughput else suite.steps,
-        arms=arms,
+        steps=run.kind.steps,
+        arms=run.kind.reported_arms(records),
         duration_s=round(launched.elapsed_s(), 3),
         env_key=run.key,
         golden=run.golden.summary(judged.golden_outcome),

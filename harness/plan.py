@@ -1,4 +1,4 @@
-"""A run's launch plan: which launch groups run its arms, in which order (:func:`plan_groups`).
+"""A run's launch plan: which launch groups run its arms, in which order (:func:`plan_launches`).
 
 A suite's arms are grouped by process count (:func:`plan_launches`); a resumed arm's two launches,
 saving then loading, are groups of their own. A throughput run instead times its two arms in ABBA
@@ -72,11 +72,6 @@ class LaunchGroup:
                 "capture_ops": tuple(tuple(op) for op in raw.get("capture_ops", ())),
             }
         )
-
-
-def plan_groups(suite: SuiteSpec) -> list[LaunchGroup]:
-    """The launch groups of a suite, in the order they run."""
-    return plan_throughput_launches(suite) if suite.throughput else plan_launches(suite)
 
 
 def plan_launches(suite: SuiteSpec) -> list[LaunchGroup]:

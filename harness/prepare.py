@@ -21,21 +21,18 @@ import torch
 
 import harness
 from harness.cancel import Cancellation
-from harness.checks.golden import golden_check
-from harness.checks.throughput import gate_check
 from harness.environment import CpuPin, backend_for, cpu_pin, device_class, fingerprint, run_env_key, versions
-from harness.golden_plan import GoldenPlan, golden_config, plan_golden
+from harness.golden_plan import GoldenPlan, golden_config, plan_golden, rebless_command
+from harness.kinds import RunKind, run_kind
 from harness.manifest import Manifest, ManifestError
 from harness.phases import PhaseLog
-from harness.plan import LaunchGroup, plan_groups
-from harness.rundir import harness_log, make_run_dir
+from harness.plan import LaunchGroup
+from harness.rundir import harness_log, inductor_cache, make_run_dir
 from harness.shipped import shipped_dir
 from harness.specs import CheckSpec, SuiteSpec
 from harness.subject import Subject, subject_of, usable_trace_cache
-from harness.trust import TrustError, check_path, make_private_folders
 
 TRACE_ENV = "HARNESS_TRACE_CACHE"
-INDUCTOR_ENV = "TORCHINDUCTOR_CACHE_DIR"
 # The shipped goldens; HARNESS_GOLDEN_DIR moves the default golden root (a CI cache, a test's empty directory).
 GOLDEN_DIR = Path(os.environ.get("HARNESS_GOLDEN_DIR", shipped_dir("golden")))
 log = logging.getLogger("harness")
@@ -98,19 +95,14 @@ class PreparedRun:
     key: str
     pin: CpuPin | None
     golden: GoldenPlan
+    rebless: str  # the command that re-records the run's golden, for a run that fails by drift
     groups: list[LaunchGroup]
     manifest: Manifest
     phases: PhaseLog  # the harness process's own (phases.py): start and prepare so far
     subject: Subject  # the system under test (subject/protocol.py)
+    kind: RunKind  # a training or a throughput run (kinds.py)
     checks: list[CheckSpec]  # what the run is judged by: the suite's and the golden's, or the gate
-
-
-def planned_checks(suite: SuiteSpec, plan: GoldenPlan, groups: list[LaunchGroup]) -> list[CheckSpec]:
-    """What a run is judged by, known before it launches: a throughput run's gate, else the suite's
-    [[checks]] and the golden's (none when ``--golden update`` records it instead)."""
-    if suite.throughput:
-        return [gate_check(suite.throughput, groups)]
-    return [*suite.checks, *filter(None, [golden_check(plan, suite)])]
+    env: dict[str, str]  # what every rank's environment gains: the CPU kernel pin, a private Inductor cache
 
 
 def prepare_run(
@@ -122,19 +114,26 @@ def prepare_run(
     began = time.time()
     if local_devices:
         check_device(suite, options.device)
-    if suite.throughput and options.golden == "update":
+    unpickled = _unpickled(suite, local_devices)
+    kind = run_kind(suite)
+    if not kind.records_golden and options.golden == "update":
         raise UsageError(f"suite {suite.name}: a throughput run records no golden")
-    groups = plan_groups(suite)
+    groups = kind.launches()
     pin = cpu_pin(options.cpu_isa) if options.device == "cpu" else None
     key = run_env_key(options.device, suite.dtype, pin)
-    config = golden_config(suite)
-    requested = "off" if suite.throughput else options.golden
-    environment = fingerprint(options.device, pin)
-    golden = plan_golden(suite.name, config, key, requested, options.golden_dir, suite.golden_cross_env, environment)
-    if suite.throughput:
-        golden = dataclasses.replace(golden, note=None)  # nothing to say: step times have no golden
-    checks = planned_checks(suite, golden, groups)
-    run_dir = make_run_dir(suite.name, options.out, _unpickled(suite, local_devices))
+    config, rebless = golden_config(suite), rebless_command(options.command, suite)
+    golden = plan_golden(
+        suite.name,
+        config,
+        key,
+        options.golden if kind.records_golden else "none",
+        options.golden_dir,
+        suite.golden_cross_env,
+        fingerprint(options.device, pin),
+    )
+    checks = kind.checks(golden, groups)
+    run_dir = make_run_dir(suite.name, options.out, unpickled)
+    env = {**(pin.env if pin else {}), **inductor_cache(run_dir)}  # what every rank's environment gains
     with harness_log(run_dir), Cancellation():
         subject = subject_of(suite)
         trace_cache, cache_note = usable_trace_cache(options.trace_cache, subject)
@@ -164,30 +163,9 @@ def prepare_run(
     phases = PhaseLog()
     phases.add("start", harness.IMPORTED_AT, began)  # the interpreter's imports, the command line, the suite
     phases.add("prepare", began, time.time())
-    return PreparedRun(run_dir, suite, options, key, pin, golden, groups, manifest, phases, subject, checks)
-
-
-def rank_env(run: PreparedRun) -> dict[str, str]:
-    """What the environment of every rank of ``run`` gains: the CPU kernel pin, and an Inductor cache
-    that is the user's alone."""
-    return {**(run.pin.env if run.pin else {}), **inductor_cache(run.run_dir)}
-
-
-def inductor_cache(run_dir: Path) -> dict[str, str]:
-    """Inductor unpickles its cache entries, which nobody signs, and its default folder
-    (/tmp/torchinductor_<user>) is one another user can make first. So ranks keep theirs in the user's
-    cache folder, made private and checked along its whole path, or else fresh in the run directory.
-    A TORCHINDUCTOR_CACHE_DIR the user set is theirs to vouch for."""
-    if INDUCTOR_ENV in os.environ:
-        return {}
-    folder = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "harness" / "inductor"
-    try:
-        make_private_folders(folder)
-        check_path(folder)
-    except (OSError, TrustError) as e:
-        log.info("Inductor cache: %s: not used; one in the run directory instead", e)
-        folder = run_dir / "inductor"
-    return {INDUCTOR_ENV: str(folder)}
+    return PreparedRun(
+        run_dir, suite, options, key, pin, golden, rebless, groups, manifest, phases, subject, kind, checks, env
+    )
 
 
 def _unpickled(suite: SuiteSpec, local_devices: bool) -> str | None:
@@ -206,7 +184,8 @@ def read_prepared(run_dir: Path, suite: SuiteSpec, options: RunOptions) -> Prepa
         manifest = Manifest.read(run_dir)
     except ManifestError as e:
         raise UsageError(f"{run_dir}: not a readable run directory: {e}") from None
-    groups = plan_groups(suite)
+    kind = run_kind(suite)
+    groups = kind.launches()
     recorded = _plain({**manifest.suite, "path": None})
     if _plain({**suite.to_dict(), "path": None}) != recorded or groups != manifest.launches:
         raise UsageError(
@@ -217,8 +196,25 @@ def read_prepared(run_dir: Path, suite: SuiteSpec, options: RunOptions) -> Prepa
     options = dataclasses.replace(options, device=manifest.device, command=tuple(manifest.command))
     phases = PhaseLog()
     phases.add("start", harness.IMPORTED_AT, time.time())
-    subject, checks = subject_of(suite), planned_checks(suite, plan, groups)
-    return PreparedRun(run_dir, suite, options, manifest.env_key, pin, plan, groups, manifest, phases, subject, checks)
+    subject, checks = subject_of(suite), kind.checks(plan, groups)
+    env = {**(pin.env if pin else {}), **inductor_cache(run_dir)}
+    rebless = rebless_command(manifest.command, suite)
+    return PreparedRun(
+        run_dir,
+        suite,
+        options,
+        manifest.env_key,
+        pin,
+        plan,
+        rebless,
+        groups,
+        manifest,
+        phases,
+        subject,
+        kind,
+        checks,
+        env,
+    )
 
 
 def _plain(value: object) -> object:

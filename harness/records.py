@@ -16,12 +16,10 @@ from typing import TYPE_CHECKING, Any
 
 from harness.families import ArmFacts
 from harness.files import naming_file
-from harness.rundir import THROUGHPUT, arm_files
+from harness.rundir import arm_files
 
 if TYPE_CHECKING:
     import pandas as pd
-
-    from harness.specs import SuiteSpec
 
 METRIC_COLUMNS = ("loss", "grad_norm", "tokens", "step_time_s")
 
@@ -249,15 +247,3 @@ class RunRecords(Mapping[str, ArmRecords]):
 
     def __len__(self) -> int:
         return len(self.arms)
-
-
-def read_records(suite: SuiteSpec, run_dir: Path) -> RunRecords:
-    """Everything the ranks recorded, as complete as the run left it: each arm's files, or for a
-    throughput run its block rows; nothing unreadable raises (it is kept as the error)."""
-    if not suite.throughput:
-        return RunRecords({arm: read_arm(run_dir, arm, spec.logical_ranks) for arm, spec in suite.arms.items()})
-    path = Path(run_dir) / THROUGHPUT
-    try:
-        return RunRecords(throughput=read_jsonl(path) if path.is_file() else [])
-    except RecordError as e:
-        return RunRecords(throughput_error=str(e))

@@ -14,7 +14,7 @@ traceback, is logs/harness.log.
 | --- | --- | --- |
 | prepare | validate, make the run directory, write manifest.json | :func:`harness.prepare.prepare_run` |
 | launch | the launch groups, one after another, under one deadline | :func:`harness.launching.launch_run` |
-| read | what the ranks recorded | :func:`harness.records.read_records` |
+| read | what the ranks recorded | ``run.kind.read`` (:mod:`harness.kinds`) |
 | judge | the checks, the verdict | :func:`harness.judge.judge` |
 | locate | the first op where a failed bit-level check's arms part | :func:`harness.first_op.locate_first_op` |
 | write | the golden update, summary.json, junit.xml, report.html, the console | :func:`harness.outputs.write_outputs` |
@@ -36,7 +36,7 @@ from harness.launchers.local import launch_group
 from harness.launching import launch_run
 from harness.outputs import write_outputs
 from harness.prepare import PreparedRun, RunOptions, prepare_run
-from harness.records import RunRecords, read_records
+from harness.records import RunRecords
 from harness.report.figures import import_in_background
 from harness.rundir import harness_log
 from harness.specs import SuiteSpec
@@ -55,7 +55,7 @@ def judge_run(run: PreparedRun, launch: GroupLauncher, out: TextIO = sys.stdout,
     with harness_log(run.run_dir), Cancellation():
         launched = launch_run(run, launch, out, err)
         try:
-            records = read_records(run.suite, run.run_dir)
+            records = run.kind.read(run.run_dir)
         except Cancelled as c:  # the judge says so; the outputs are still written
             launched.cancelled, records = launched.cancelled or c, RunRecords()
         judgement = locate_first_op(run, records, judge(run, launched, records), launch, out)

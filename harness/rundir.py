@@ -21,6 +21,7 @@ user's alone (harness/reference/checkpoint.py).
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import Iterator
 from contextlib import contextmanager, suppress
 from dataclasses import dataclass
@@ -42,6 +43,7 @@ LAUNCHER_LOG = f"{LOGS_DIR}/launcher.log"  # the elastic agent's own messages
 FIRST_OP_DIR = "first-op"  # the re-runs that record every op (harness/first_op.py), one run directory each
 # Run directories go under ./reports of the working directory: never into an installed package.
 REPORTS_DIR = Path("reports")
+INDUCTOR_ENV = "TORCHINDUCTOR_CACHE_DIR"
 log = logging.getLogger("harness")
 
 
@@ -192,3 +194,20 @@ def harness_log(run_dir: Path) -> Iterator[Path]:
     finally:
         log.removeHandler(handler)
         handler.close()
+
+
+def inductor_cache(run_dir: Path) -> dict[str, str]:
+    """Inductor unpickles its cache entries, which nobody signs, and its default folder
+    (/tmp/torchinductor_<user>) is one another user can make first. So ranks keep theirs in the user's
+    cache folder, made private and checked along its whole path, or else fresh in the run directory.
+    A TORCHINDUCTOR_CACHE_DIR the user set is theirs to vouch for."""
+    if INDUCTOR_ENV in os.environ:
+        return {}
+    folder = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "harness" / "inductor"
+    try:
+        make_private_folders(folder)
+        check_path(folder)
+    except (OSError, TrustError) as e:
+        log.info("Inductor cache: %s: not used; one in the run directory instead", e)
+        folder = run_dir / "inductor"
+    return {INDUCTOR_ENV: str(folder)}

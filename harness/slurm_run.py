@@ -14,13 +14,14 @@ import sys
 from pathlib import Path
 from typing import Any, TextIO
 
+from harness.kinds import run_kind
 from harness.launchers import GroupLauncher, LaunchContext, LaunchResult
 from harness.launchers.slurm.jobs import JOB_DIR, JOBS_FILE, SlurmJob, read_jobs
 from harness.launchers.slurm.profile import SlurmProfile, check_gpus, job_shape
 from harness.launchers.slurm.submit import SlurmError, cancel, require_slurm, submit_jobs
 from harness.launchers.slurm.watch import JobWatch
-from harness.plan import LaunchGroup, plan_groups
-from harness.prepare import PreparedRun, RunOptions, UsageError, prepare_run, rank_env, read_prepared
+from harness.plan import LaunchGroup
+from harness.prepare import PreparedRun, RunOptions, UsageError, prepare_run, read_prepared
 from harness.run import judge_run
 from harness.rundir import MANIFEST
 from harness.specs import SuiteSpec
@@ -45,11 +46,11 @@ def submit_suite(
     Every usage error is raised (exit 2) before anything is created or queued.
     """
     require_slurm()
-    for group in plan_groups(suite):
+    for group in run_kind(suite).launches():
         check_gpus(profile, options.device, job_shape(group, nodes))
     run = prepare_run(suite, options, out, local_devices=False)
     try:
-        jobs = submit_jobs(run.run_dir, suite.name, run.groups, profile, nodes, rank_env(run), source)
+        jobs = submit_jobs(run.run_dir, suite.name, run.groups, profile, nodes, run.env, source)
     except SlurmError as e:
         return judge_run(run, _refused(str(e)), out, err)
     for job in jobs:

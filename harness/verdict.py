@@ -33,6 +33,7 @@ import dataclasses
 from typing import TYPE_CHECKING
 
 from harness.cancel import Cancelled
+from harness.checks.golden import drift_line
 from harness.records import ArmRecords
 from harness.results import (
     BAD_INPUT,
@@ -98,6 +99,20 @@ def run_label(checks: list[CheckResult], verdict: str) -> str | None:
     if verdict != "fail":
         return None
     return DRIFT if all(c.label == DRIFT for c in checks if c.status == "fail") else REGRESSION
+
+
+def label_line(checks: list[CheckResult], label: str | None, rebless: str) -> str | None:
+    """A failed run's last console line (None unless ``label`` is set): drift names what changed and
+    ``rebless``, the command that re-records the golden; a regression names the failed checks."""
+    if label is None:
+        return None
+    if label == DRIFT:
+        return drift_line(checks, rebless)
+    failed = [c.name for c in checks if c.label == REGRESSION]
+    names = ", ".join(failed[:3]) + (f" and {len(failed) - 3} more" if len(failed) > 3 else "")
+    drifted = sum(c.label == DRIFT for c in checks)
+    also = f" ({drifted} more failed as drift: see their rows)" if drifted else ""
+    return f"regression: {len(failed)} failed check{'s' if len(failed) != 1 else ''}: {names}{also}"
 
 
 def cancelled_check(cancelled: Cancelled, elapsed_s: float) -> CheckResult:

@@ -19,13 +19,14 @@ from conftest import MANIFEST_SCHEMA
 
 from harness.first_op import locate_first_op
 from harness.judge import judge
+from harness.kinds import run_kind
 from harness.launchers import LaunchContext, LaunchResult
 from harness.launching import Launched
 from harness.op_divergence import OpRecord
 from harness.op_divergence.files import read_captured, read_ops, write_captured, write_ops
 from harness.plan import LaunchGroup
 from harness.prepare import RunOptions, read_prepared
-from harness.records import RecordError, read_records
+from harness.records import RecordError
 from harness.suites import load_suite
 
 FACTOR = 2.5
@@ -106,7 +107,7 @@ def test_a_failed_exact_check_names_the_first_op_where_its_arms_part(run_harness
 
     # Judged again with a budget the run's own phase times say the re-run cannot fit: auto skips it.
     prepared = read_prepared(out, load_suite(str(suite)), RunOptions(first_op="auto", first_op_budget_s=1.0))
-    records = read_records(prepared.suite, out)
+    records = run_kind(prepared.suite).read(out)
     console = io.StringIO()
     judged = locate_first_op(prepared, records, judge(prepared, Launched(), records), no_launch, console)
     skipped = next(c for c in judged.checks if c.name == "base vs planted: loss").extra["first_op_divergence"]

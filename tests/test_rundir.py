@@ -7,8 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from harness.prepare import INDUCTOR_ENV, inductor_cache
-from harness.rundir import RunDirError, fresh_dir, make_run_dir
+from harness.rundir import INDUCTOR_ENV, RunDirError, fresh_dir, inductor_cache, make_run_dir
 from harness.trust import mode_of
 
 
@@ -58,7 +57,7 @@ def test_the_resume_suite_is_refused_before_launching_under_a_shared_folder(run_
 
 
 @pytest.mark.parametrize("cache_home", ["private", "shared"])
-def test_ranks_keep_theirinductor_cache_where_only_the_user_can_write(
+def test_ranks_keep_their_inductor_cache_where_only_the_user_can_write(
     cache_home: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Inductor unpickles its cache entries: the folder must be the user's alone, or a fresh one in the run."""

@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 
 from harness.checks.throughput import judge_throughput
+from harness.kinds import run_kind
 from harness.plan import plan_measurements, plan_throughput_launches
-from harness.records import read_records
 from harness.report.throughput import improvement_note
 from harness.results import CheckResult
 from harness.verdict import EXIT_FAIL, EXIT_INCONCLUSIVE, EXIT_INFRA, EXIT_PASS, verdict_of
@@ -91,7 +91,7 @@ def _judge(tmp_path: Path, rows: list[dict], **throughput: object) -> CheckResul
     run_dir.mkdir(exist_ok=True)
     (run_dir / "throughput.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     separate = len(plan_throughput_launches(suite)) > 1  # one launch per block position
-    return judge_throughput(suite.throughput, read_records(suite, run_dir), separate)
+    return judge_throughput(suite.throughput, run_kind(suite).read(run_dir), separate)
 
 
 @pytest.mark.parametrize(

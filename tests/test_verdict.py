@@ -10,7 +10,6 @@ from pathlib import Path
 
 import pytest
 
-from harness.judge import regression_line
 from harness.launchers import LaunchResult, RankFailure
 from harness.plan import LaunchGroup
 from harness.records import ArmRecords, read_metrics_records
@@ -26,6 +25,7 @@ from harness.verdict import (
     EXIT_USAGE,
     apply_expectations,
     conclude,
+    label_line,
     mark_not_evaluated,
     run_label,
     unrun_arms,
@@ -183,7 +183,10 @@ def test_every_failure_is_a_regression_unless_its_family_labelled_it_drift() -> 
     assert (verdict, code) == ("fail", EXIT_FAIL)  # drift never merges silently
     assert [c.label for c in checks] == ["drift", "regression", None, None]
     assert run_label(checks, verdict) == "regression"
-    assert regression_line(checks) == "regression: 1 failed check: a vs b (1 more failed as drift: see their rows)"
+    assert (
+        label_line(checks, "regression", "unused")
+        == "regression: 1 failed check: a vs b (1 more failed as drift: see their rows)"
+    )
     checks, verdict, code = conclude([drift, _check("a: agree", "pass")], None, 1.0)
     assert (run_label(checks, verdict), code) == ("drift", EXIT_FAIL)
     assert run_label(checks, "error") is None  # an error or a cancellation is not judged drift or regression
