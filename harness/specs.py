@@ -1,7 +1,7 @@
 """The validated form of a suite: what ``harness/suites.py`` makes of a TOML file, what
 ``manifest.json`` records, and what every rank and every check reads.
 
-Kept apart from the parser so that check families (``harness/checks/``) and the workers can use
+Kept apart from the parser so that check families (``harness/checks/``) and the ranks can use
 the specs without importing the validator, which itself dispatches to the check families.
 """
 
@@ -70,7 +70,7 @@ class DebugSpec:
     ``fail_step`` is set). ``slow_*``: in a throughput measurement every step of ``slow_arm``
     sleeps ``slow_fraction`` of its own duration after it (a planted slowdown of that fraction).
     ``checkpoint_damage``: every resumed arm's checkpoint is damaged between its two launches
-    (a shard missing or truncated, a garbage index, or a manifest of another config; harness.worker)."""
+    (a shard missing or truncated, a garbage index, or a manifest of another config; harness/rank/faults.py)."""
 
     fail_step: int | None = None
     fail_rank: int = 0
@@ -134,7 +134,7 @@ class SuiteSpec:
         return "+".join(sorted({arm.dtype for arm in self.arms.values()}))
 
     def to_dict(self) -> dict[str, Any]:
-        """The resolved suite as manifest.json records it (and the workers read it)."""
+        """The resolved suite as manifest.json records it (and the ranks read it)."""
         return {
             "name": self.name,
             "description": self.description,

@@ -5,7 +5,7 @@ block positions are planned in harness/plan.py; its gate is the check family
 A throughput run (a suite's ``[throughput]`` table, or ``harness abba``) times arm A against arm B
 in ABBA blocks (harness/abba.py says why that order). Both arms are built once, in the same rank
 processes when they have the same process count, and each keeps training its own model across
-its blocks; the ranks stream one line per block position to ``throughput.jsonl`` (harness/worker.py).
+its blocks; the ranks stream one line per block position to ``throughput.jsonl`` (harness/rank/throughput.py).
 Arms of different process counts cannot share processes: each block position is then a launch
 of its own, which rebuilds its arm, warms it up and starts again from step 1.
 

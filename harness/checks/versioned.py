@@ -227,7 +227,7 @@ def parse(kind: str, raw: dict, dotted: str, v: SuiteReader, arms: dict[str, Arm
 
 
 def run(check: CheckSpec, suite: SuiteSpec, records: RunRecords) -> list[CheckResult]:
-    """Batches are numbered like steps (see worker.updates): a run of N steps applies batches 1..N."""
+    """Batches are numbered like steps (see harness.rank.train.updates): a run of N steps applies batches 1..N."""
     results = []
     for arm in check.arms:
         updates, facts = records[arm].updates, records[arm].facts

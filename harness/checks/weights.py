@@ -3,7 +3,7 @@
 The loss and grad norm of an update see only the weights of earlier updates, so the last update of
 a run (the last ``delay`` of a delayed pipeline, whose forwards ran before them) leaves no trace in
 the metrics. After its last update every rank records a blake2b hash of each parameter of each logical
-rank it hosts (``arms/<arm>/weights.rank<k>.json``, see :mod:`harness.worker`). ``final-weights``
+rank it hosts (``arms/<arm>/weights.rank<k>.json``, see :mod:`harness.rank.train`). ``final-weights``
 passes when both arms recorded them for every logical rank, after the same number of updates, and
 every digest is the same; a missing record fails, naming the arm and the logical rank.
 """

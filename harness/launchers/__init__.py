@@ -3,7 +3,7 @@ both launchers implement.
 
 A run's arms are planned into launch groups (harness/plan.py), and the run hands each group in turn
 to a ``GroupLauncher``: the elastic agent on this machine (``local.launch_group``) or a Slurm job
-(``slurm.watch.JobWatch``). Every launcher starts ``python -m harness.worker RUN_DIR GROUP`` once
+(``slurm.watch.JobWatch``). Every launcher starts ``python -m harness.rank RUN_DIR GROUP`` once
 per rank, with the rank's output in ``LaunchGroup.log`` and its traceback in
 ``LaunchGroup.error_file``, and reports the ending as a ``LaunchResult``: the failed ranks in the
 order they died, the root cause judged by triage.py (failures.py), or the deadline's stack dumps

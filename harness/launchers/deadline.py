@@ -1,7 +1,7 @@
 """A launch group at its deadline, alike under both launchers: every rank's Python stacks, then the kill.
 
 A hung group says nothing of where it hangs, so before its ranks die each is asked for a
-faulthandler dump of its threads' stacks (SIGUSR1, which the worker registers as it starts), and
+faulthandler dump of its threads' stacks (SIGUSR1, which the rank registers as it starts), and
 the user is told which ranks' stacks are in their logs and which ranks left none (still starting
 up, before the handler). How the signal and the kill reach the ranks is the launcher's: signals to
 the local ranks' process groups (local.py), or ``scancel`` to every step of a Slurm job

@@ -21,9 +21,9 @@ from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
 from harness.launchers import LaunchContext, LaunchResult, RankFailure
 from harness.launchers.deadline import StackDumps
 from harness.plan import LaunchGroup
+from harness.rank.errors import release_error_room
 from harness.results import BAD_INPUT
 from harness.triage import INFRASTRUCTURE, Verdict, classify, exception_line
-from harness.worker import release_error_room
 
 FULL_DISK = "No space left on device on the run directory's disk"
 _LOG_TAIL_LINES = 20

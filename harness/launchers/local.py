@@ -1,7 +1,7 @@
 """Start the ranks of one launch group with torch's elastic launcher, and enforce the deadline.
 
 The harness process is the elastic agent (programmatic torchrun): workers are
-``python -m harness.worker RUN_DIR GROUP``, rendezvous is c10d on 127.0.0.1 at a port the OS
+``python -m harness.rank RUN_DIR GROUP``, rendezvous is c10d on 127.0.0.1 at a port the OS
 picked, so concurrent runs never collide. The agent already tears the group down when one
 rank fails; what it lacks is a wall-clock limit, so a watchdog thread adds one: at the
 deadline it asks every rank for a faulthandler stack dump (SIGUSR1, into the rank's log), then
@@ -48,15 +48,15 @@ from harness.launchers.failures import (
     release_error_rooms,
 )
 from harness.plan import LaunchGroup
+from harness.rank.process import AGENT_PID_ENV
 from harness.rundir import LAUNCHER_LOG, QuietFileHandler
 from harness.triage import INFRASTRUCTURE, Verdict, oom_kills
-from harness.worker import AGENT_PID_ENV
 
 WATCH_INTERVAL_S = 0.2
 
 
 class _RankLogs(LogsSpecs):
-    """stdout and stderr of rank k into one file (the worker dup2s stderr onto stdout)."""
+    """stdout and stderr of rank k into one file (the rank dup2s stderr onto stdout)."""
 
     def __init__(self, run_dir: Path, group: LaunchGroup) -> None:
         super().__init__(str(run_dir / group.log_dir))
@@ -245,7 +245,7 @@ def launch_group(group: LaunchGroup, context: LaunchContext) -> LaunchResult:
     exits.start()
     try:
         with _agent_logs_to(run_dir / LAUNCHER_LOG), _worker_environment(worker_env):
-            elastic_launch(config, sys.executable)("-m", "harness.worker", marker, group.name)
+            elastic_launch(config, sys.executable)("-m", "harness.rank", marker, group.name)
     except ChildFailedError as e:
         failures = e.failures
     except Exception as e:  # rendezvous or spawn: the launch itself failed

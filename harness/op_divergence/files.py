@@ -1,4 +1,4 @@
-"""A rank's op records on disk: what an op-recording re-run writes (harness/worker.py) and the
+"""A rank's op records on disk: what an op-recording re-run writes (harness/rank/train.py) and the
 harness reads back (harness/first_op.py).
 
 ``ops.rank<k>.jsonl`` is written whole once the rank's recording ends, atomically, so a rank

@@ -26,7 +26,7 @@ cannot emit is refused at load (exit 2), naming the check and the subject. The c
 through its typed :class:`ArmFacts` alone, never through its config: a family's checks need some
 (:data:`FAMILY_FACTS`), and a check reading a family of an arm that lacks one is refused at load
 too, naming the family and the fact. Optional parts are declared, never probed for: the families
-of an arm (``ArmSpec.families``) decide which of its record methods the worker calls, and a
+of an arm (``ArmSpec.families``) decide which of its record methods the rank calls, and a
 subject's ``capabilities`` (:data:`CAPABILITIES`) which of its optional parts the harness uses.
 
 Every record a rank receives is checked there before it is written (:mod:`harness.seam`): a record
@@ -222,7 +222,7 @@ class ArmContext:
 
 
 class Arm(Protocol):
-    """One built arm in one rank process. The worker calls ``step``, ``drain``, ``info`` and ``close`` of
+    """One built arm in one rank process. The rank calls ``step``, ``drain``, ``info`` and ``close`` of
     every arm, and the rest only of an arm that declares what they record: ``final_weights`` for the
     FINAL_WEIGHTS family, ``graph_build`` and ``graph_export`` for GRAPH (``ArmSpec.families``), the
     checkpoint methods for a subject with the CHECKPOINT capability (``Subject.capabilities``).

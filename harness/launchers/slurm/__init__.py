@@ -1,8 +1,8 @@
 """Launch groups as Slurm jobs through submitit, the sibling of the elastic-agent launcher (local.py).
 
 Each launch group of a run becomes one job of ``nodes`` x ``ranks / nodes`` tasks, and each task
-runs the same worker as a local launch, into the same run directory, which must therefore be on a
-filesystem every node shares. One file per job:
+runs the same rank process (harness/rank/) as a local launch, into the same run directory, which must
+therefore be on a filesystem every node shares. One file per job:
 
 - ``profile.py``: cluster profiles (``slurm/<name>.toml``) and submitit's parameters for a job;
 - ``submit.py``: queueing the chained jobs, and cancelling them;

@@ -1,9 +1,9 @@
-"""Inside a Slurm job: one task, one rank of its launch group, run by the same worker as a local launch.
+"""Inside a Slurm job: one task, one rank of its launch group, run by the same rank process as a local launch.
 
 ``run_task`` is what submitit runs in each task. It exports torch.distributed's environment from
 Slurm's (``submitit.helpers.TorchDistributedEnvironment``: MASTER_ADDR is the first node of the
 job's node list, RANK the task's global rank), so one rendezvous spans every node, and runs
-``python -m harness.worker RUN_DIR GROUP``, its output in the same ``logs/rank<k>.log`` and its
+``python -m harness.rank RUN_DIR GROUP``, its output in the same ``logs/rank<k>.log`` and its
 traceback in the same ``rank<k>.error.json`` as under the elastic agent. How the worker ended, or
 the task's own traceback if it raised, goes to the task's ``slurm/<job>_<task>_result.json``
 (slurm/jobs.py), the one thing of a task the watch reads.
@@ -24,7 +24,8 @@ from typing import Any
 
 from harness.launchers.slurm.jobs import result_file, write_result
 from harness.manifest import Manifest
-from harness.worker import AGENT_PID_ENV, release_error_room
+from harness.rank.errors import release_error_room
+from harness.rank.process import AGENT_PID_ENV
 
 # Rendezvous ports are drawn from here up to the kernel's ephemeral range (the default's start if unreadable).
 _FIRST_RENDEZVOUS_PORT = 20000
@@ -45,7 +46,7 @@ def rendezvous_port(job_id: str) -> int:
 def rendezvous_env() -> dict[str, str]:
     """torch.distributed's environment for this task, from Slurm's: MASTER_ADDR (the first node of
     the job), MASTER_PORT (:func:`rendezvous_port`), RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE.
-    CUDA_VISIBLE_DEVICES stays as Slurm set it: the worker picks its GPU by LOCAL_RANK."""
+    CUDA_VISIBLE_DEVICES stays as Slurm set it: the rank picks its GPU by LOCAL_RANK."""
     from submitit import JobEnvironment
     from submitit.helpers import TorchDistributedEnvironment
 
@@ -56,7 +57,7 @@ def rendezvous_env() -> dict[str, str]:
 
 
 def run_task(run_dir: str, group_name: str, env: dict[str, str]) -> dict[str, Any]:
-    """One task of a group's job: rank RANK of the group, run by the same worker as a local launch.
+    """One task of a group's job: rank RANK of the group, run by the same rank process as a local launch.
 
     Writes how the worker ended to the task's ``result.json`` (atomically), and returns it; if the task
     itself raised, the result holds its traceback instead. The watch reads that JSON: submitit's
@@ -90,7 +91,7 @@ def _run_worker(run_dir: str, group_name: str, env: dict[str, str]) -> dict[str,
     worker_env = {**os.environ, **env, AGENT_PID_ENV: str(os.getpid()), "TORCHELASTIC_ERROR_FILE": str(errors)}
     signal.signal(signal.SIGUSR1, signal.SIG_IGN)  # the worker installs its own stack-dump handler
     with log.open("ab") as out:
-        command = [sys.executable, "-m", "harness.worker", run_dir, group_name]
+        command = [sys.executable, "-m", "harness.rank", run_dir, group_name]
         worker = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env=worker_env)
     exitcode = worker.wait()
     release_error_room(errors)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from harness.worker import cuda_device_index
+from harness.rank.process import cuda_device_index
 
 
 @pytest.mark.parametrize(
