@@ -23,6 +23,7 @@ def format_verdict_table(summary: dict) -> str:
     verdict, counts = verdict_label(summary.get("verdict"), summary.get("label")), tally(status_counts(checks))
     shown = [c for c in checks if not not_evaluated(c)]
     unrun = [c for c in checks if not_evaluated(c)]
+    rows = [(status_label(c).upper(), str(c.get("name", "?")), str(c.get("detail", ""))) for c in shown]
     throughput = summary.get("throughput") or {}
     steps = f"{summary.get('steps')} steps"
     if throughput:
@@ -34,7 +35,6 @@ def format_verdict_table(summary: dict) -> str:
     )
     if note := improvement_note(throughput):
         head += f"\n  note: {note}"
-    rows = [(status_label(c).upper(), str(c.get("name", "?")), str(c.get("detail", ""))) for c in shown]
     if unrun:
         arms = ", ".join(f"'{arm}'" for arm in dict.fromkeys(c["extra"][NOT_EVALUATED] for c in unrun))
         at = len([c for c in shown if c.get("status") in ("error", "fail")])  # after the problems
