@@ -32,6 +32,7 @@ class Launched:
     started: float = field(default_factory=time.monotonic)
     cancelled: Cancelled | None = None
     internal_error: str | None = None
+    rank_phases: dict[str, dict[int, list[dict]]] = field(default_factory=dict)  # group -> rank -> its phases
 
     def elapsed_s(self) -> float:
         return time.monotonic() - self.started
@@ -61,7 +62,8 @@ def launch_run(run: PreparedRun, launch: GroupLauncher, out: TextIO, err: TextIO
     for result in launched.results:
         if result.error:
             print(f"error: {result.error}", file=err)
-    for line in cache_notes({group.name: read_rank_phases(run.run_dir, group.name) for group in run.groups}):
+    launched.rank_phases = {group.name: read_rank_phases(run.run_dir, group.name) for group in run.groups}
+    for line in cache_notes(launched.rank_phases):
         print(line, file=out)
         log.info(line)
     return launched

@@ -58,5 +58,5 @@ def judge_run(run: PreparedRun, launch: GroupLauncher, out: TextIO = sys.stdout,
             records = run.kind.read(run.run_dir)
         except Cancelled as c:  # the judge says so; the outputs are still written
             launched.cancelled, records = launched.cancelled or c, RunRecords()
-        judgement = locate_first_op(run, records, judge(run, launched, records), launch, out)
+        judgement = locate_first_op(run, launched, records, judge(run, launched, records), launch, out)
         return write_outputs(run, launched, records, judgement, out, err)

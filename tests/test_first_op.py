@@ -24,6 +24,7 @@ from harness.launchers import LaunchContext, LaunchResult
 from harness.launching import Launched
 from harness.op_divergence import OpRecord
 from harness.op_divergence.files import read_captured, read_ops, write_captured, write_ops
+from harness.phases import read_rank_phases
 from harness.plan import LaunchGroup
 from harness.prepare import RunOptions, read_prepared
 from harness.records import RecordError
@@ -108,8 +109,9 @@ def test_a_failed_exact_check_names_the_first_op_where_its_arms_part(run_harness
     # Judged again with a budget the run's own phase times say the re-run cannot fit: auto skips it.
     prepared = read_prepared(out, load_suite(str(suite)), RunOptions(first_op="auto", first_op_budget_s=1.0))
     records = run_kind(prepared.suite).read(out)
+    launched = Launched(rank_phases={group.name: read_rank_phases(out, group.name) for group in prepared.groups})
     console = io.StringIO()
-    judged = locate_first_op(prepared, records, judge(prepared, Launched(), records), no_launch, console)
+    judged = locate_first_op(prepared, launched, records, judge(prepared, launched, records), no_launch, console)
     skipped = next(c for c in judged.checks if c.name == "base vs planted: loss").extra["first_op_divergence"]
     assert skipped["status"] == "skipped" and judged.exit_code == 1
     assert skipped["line"].startswith("first op: not located: re-running steps 1-1 op by op should take about")
