@@ -100,16 +100,22 @@ def no_first_op_rerun(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("HARNESS_FIRST_OP", "off")
 
 
-@pytest.fixture(autouse=True)
-def shared_trace_cache(tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Runs share one trace cache per test session (all xdist workers), never the user's own: a traced
-    arm is traced once per session, and every later run checks the cached graph as it would a fresh one.
-    The key that signs its entries is the session's too (XDG_CONFIG_HOME): no test touches ~/.config."""
+@pytest.fixture(scope="session")
+def session_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The test session's temporary folder, the same for all its xdist workers."""
     session = tmp_path_factory.getbasetemp()
     if os.environ.get("PYTEST_XDIST_WORKER"):
         session = session.parent  # popen-gw<k>/ sits in the session's directory
-    monkeypatch.setenv("HARNESS_TRACE_CACHE", str(session / "trace-cache"))
-    monkeypatch.setenv("XDG_CONFIG_HOME", str(session / "config"))
+    return session
+
+
+@pytest.fixture(autouse=True)
+def shared_trace_cache(session_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Runs share one trace cache per test session (all xdist workers), never the user's own: a traced
+    arm is traced once per session, and every later run checks the cached graph as it would a fresh one.
+    The key that signs its entries is the session's too (XDG_CONFIG_HOME): no test touches ~/.config."""
+    monkeypatch.setenv("HARNESS_TRACE_CACHE", str(session_dir / "trace-cache"))
+    monkeypatch.setenv("XDG_CONFIG_HOME", str(session_dir / "config"))
 
 
 @pytest.fixture
