@@ -141,6 +141,28 @@ def run_harness() -> Callable[..., CliRun]:
 
 
 @pytest.fixture
+def harness_main(capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> Callable[..., CliRun]:
+    """``harness_main("abba", "parity", "--blocks", 1)``: the harness command in this process
+    (``harness.cli.main``), from the repository as ``run_harness`` runs it, with ``env`` set for the
+    call; its exit code and what it printed. For commands refused before anything launches: a
+    subprocess would only add the start-up of torch to each."""
+    from harness.cli import main
+
+    def run(*args: object, env: dict[str, object] | None = None) -> CliRun:
+        with monkeypatch.context() as patch:
+            patch.chdir(REPO)
+            for name, value in (env or {}).items():
+                patch.setenv(name, str(value))
+            capsys.readouterr()
+            start = time.monotonic()
+            code = main([str(arg) for arg in args])
+            printed = capsys.readouterr()
+        return CliRun(code, printed.out, printed.err, time.monotonic() - start)
+
+    return run
+
+
+@pytest.fixture
 def plant(tmp_path: Path) -> Callable[[str], dict[str, object]]:
     """``plant(code)``: the environment in which every process of a run (the ranks included) runs
     ``code`` at start-up, as a sitecustomize, with the repository importable so it can patch the
