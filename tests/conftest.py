@@ -1,11 +1,17 @@
-"""Fixtures for tests that run the harness for real: its CLI in a subprocess, and /proc scans."""
+"""Fixtures for tests that start real processes (the harness CLI with its ranks, rank processes in a
+real process group, a browser), which mark them ``e2e``; and /proc scans."""
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
+import pty
+import select
+import struct
 import subprocess
 import sys
+import termios
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -61,14 +67,20 @@ def _command(args: tuple) -> list[str]:
     return [sys.executable, "-m", "harness", *map(str, args)]
 
 
-# A test that asks for one of these runs the harness's CLI in a subprocess, rank processes and all
-# (``installed``: a wheel's harness, in a fresh venv: tests/test_package.py).
-E2E_FIXTURES = frozenset({"run_harness", "start_harness", "installed"})
+# A test that asks for one of these starts real processes: the harness's CLI in a subprocess, rank
+# processes and all (run_harness, start_harness, run_in_terminal; installed: a wheel's harness in a
+# fresh venv, tests/test_package.py; run_gpu_smoke: a script that runs it), rank processes in a real
+# gloo process group (run_on_ranks, and run_reference: the bundled reference's own CLI), or a headless
+# browser (chromium).
+E2E_FIXTURES = frozenset(
+    {"run_harness", "start_harness", "run_in_terminal", "installed", "run_gpu_smoke"}
+    | {"run_on_ranks", "run_reference", "chromium"}
+)
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """Marks every end-to-end test ``e2e`` by the fixtures it asks for, so that nobody has to remember
-    to: ``pytest -m "not e2e"`` is then the fast tier, the unit and in-process tests alone."""
+    """Marks every test that starts real processes ``e2e`` by the fixtures it asks for, so that nobody
+    has to remember to: ``pytest -m "not e2e"`` is then the fast tier, the unit and in-process tests alone."""
     for item in items:
         if E2E_FIXTURES & set(getattr(item, "fixturenames", ())):
             item.add_marker(pytest.mark.e2e)
@@ -88,16 +100,22 @@ def no_first_op_rerun(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("HARNESS_FIRST_OP", "off")
 
 
-@pytest.fixture(autouse=True)
-def shared_trace_cache(tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Runs share one trace cache per test session (all xdist workers), never the user's own: a traced
-    arm is traced once per session, and every later run checks the cached graph as it would a fresh one.
-    The key that signs its entries is the session's too (XDG_CONFIG_HOME): no test touches ~/.config."""
+@pytest.fixture(scope="session")
+def session_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The test session's temporary folder, the same for all its xdist workers."""
     session = tmp_path_factory.getbasetemp()
     if os.environ.get("PYTEST_XDIST_WORKER"):
         session = session.parent  # popen-gw<k>/ sits in the session's directory
-    monkeypatch.setenv("HARNESS_TRACE_CACHE", str(session / "trace-cache"))
-    monkeypatch.setenv("XDG_CONFIG_HOME", str(session / "config"))
+    return session
+
+
+@pytest.fixture(autouse=True)
+def shared_trace_cache(session_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Runs share one trace cache per test session (all xdist workers), never the user's own: a traced
+    arm is traced once per session, and every later run checks the cached graph as it would a fresh one.
+    The key that signs its entries is the session's too (XDG_CONFIG_HOME): no test touches ~/.config."""
+    monkeypatch.setenv("HARNESS_TRACE_CACHE", str(session_dir / "trace-cache"))
+    monkeypatch.setenv("XDG_CONFIG_HOME", str(session_dir / "config"))
 
 
 @pytest.fixture
@@ -118,6 +136,28 @@ def run_harness() -> Callable[..., CliRun]:
         environ = {**os.environ, **{k: str(v) for k, v in (env or {}).items()}}
         proc = subprocess.run(_command(args), cwd=REPO, capture_output=True, text=True, timeout=timeout, env=environ)
         return CliRun(proc.returncode, proc.stdout, proc.stderr, time.monotonic() - start)
+
+    return run
+
+
+@pytest.fixture
+def harness_main(capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> Callable[..., CliRun]:
+    """``harness_main("abba", "parity", "--blocks", 1)``: the harness command in this process
+    (``harness.cli.main``), from the repository as ``run_harness`` runs it, with ``env`` set for the
+    call; its exit code and what it printed. For commands refused before anything launches: a
+    subprocess would only add the start-up of torch to each."""
+    from harness.cli import main
+
+    def run(*args: object, env: dict[str, object] | None = None) -> CliRun:
+        with monkeypatch.context() as patch:
+            patch.chdir(REPO)
+            for name, value in (env or {}).items():
+                patch.setenv(name, str(value))
+            capsys.readouterr()
+            start = time.monotonic()
+            code = main([str(arg) for arg in args])
+            printed = capsys.readouterr()
+        return CliRun(code, printed.out, printed.err, time.monotonic() - start)
 
     return run
 
@@ -156,6 +196,96 @@ def start_harness() -> Callable[..., subprocess.Popen]:
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+@pytest.fixture
+def run_on_ranks(monkeypatch: pytest.MonkeyPatch) -> Callable[..., list]:
+    """``run_on_ranks(world, fn, *args)``: ``fn(*args)`` on ``world`` fresh gloo rank processes
+    (tests/distributed.py), the per-rank results in rank order."""
+    import distributed
+
+    monkeypatch.setattr(distributed, "FIXTURE_ASKED", True)
+    return distributed.start_ranks
+
+
+@pytest.fixture
+def run_reference() -> Callable[..., str]:
+    """``run_reference("--ep", 2, "--ranks", 2)``: the bundled reference's own CLI, ``python -m
+    harness.reference`` (gloo rank processes when --ranks > 1), waited for; its stdout."""
+
+    def run(*args: object, timeout: float = 300) -> str:
+        command = [sys.executable, "-m", "harness.reference", *map(str, args)]
+        return subprocess.run(command, cwd=REPO, check=True, capture_output=True, text=True, timeout=timeout).stdout
+
+    return run
+
+
+# Variables by which rich (or a user) turns the live display off or forces it on.
+TERMINAL_OVERRIDES = ("TTY_INTERACTIVE", "TTY_COMPATIBLE", "FORCE_COLOR", "NO_COLOR", "COLUMNS")
+
+
+@pytest.fixture
+def run_in_terminal() -> Callable[..., tuple[int, str]]:
+    """``run_in_terminal(["run", "logical-ranks", ...])``: the real CLI with a pseudo-terminal, 120
+    columns wide, as its stdout and stderr; its exit code and everything it drew."""
+
+    def run(args: list[str], timeout_s: float = 300) -> tuple[int, str]:
+        master, slave = pty.openpty()
+        fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 40, 120, 0, 0))
+        env = {k: v for k, v in os.environ.items() if k not in TERMINAL_OVERRIDES} | {"TERM": "xterm-256color"}
+        proc = subprocess.Popen(_command(tuple(args)), cwd=REPO, stdin=slave, stdout=slave, stderr=slave, env=env)
+        os.close(slave)
+        drawn, deadline = [], time.monotonic() + timeout_s
+        try:
+            while time.monotonic() < deadline:
+                if not select.select([master], [], [], 1.0)[0]:
+                    continue
+                try:
+                    data = os.read(master, 1 << 16)
+                except OSError:  # EIO: the harness closed the terminal (exited)
+                    break
+                if not data:
+                    break
+                drawn.append(data)
+            return proc.wait(timeout=max(1.0, deadline - time.monotonic())), b"".join(drawn).decode(errors="replace")
+        finally:
+            os.close(master)
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+
+    return run
+
+
+@pytest.fixture
+def run_gpu_smoke() -> Callable[..., subprocess.CompletedProcess]:
+    """``run_gpu_smoke(out, STEPS="2")``: benchmarks/gpu_smoke.sh on CPU, with this venv's harness and
+    the environment given (it runs the CLI, suite after suite), its outputs under ``out``; waited for."""
+
+    def run(out: Path, **env: str) -> subprocess.CompletedProcess:
+        path = f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"  # this venv's harness
+        environ = {**os.environ, "PATH": path, "DEVICE": "cpu", "INSTALL": "0", "OUT": str(out), **env}
+        smoke = ["bash", str(REPO / "benchmarks" / "gpu_smoke.sh")]
+        return subprocess.run(smoke, cwd=REPO, env=environ, capture_output=True, text=True, timeout=600)
+
+    return run
+
+
+CHROMIUM_INSTALL = REPO / ".ci" / "install-chromium"
+
+
+@pytest.fixture(scope="session")
+def chromium() -> str:
+    """The path of Debian's chromium, installed first if missing (.ci/install-chromium: root and
+    apt-get). Where it cannot be had the test skips and says why, except in CI (``CI`` set), where
+    a report never checked in a browser is a failure."""
+    found = subprocess.run([str(CHROMIUM_INSTALL)], capture_output=True, text=True, timeout=900)
+    if found.returncode != 0:
+        why = found.stderr.strip() or f"{CHROMIUM_INSTALL} exit code {found.returncode}"
+        if os.environ.get("CI"):
+            pytest.fail(f"no chromium for the browser test in CI: {why}")
+        pytest.skip(f"no chromium (Debian package: chromium): {why}")
+    return found.stdout.strip().splitlines()[-1]
 
 
 @pytest.fixture

@@ -1,5 +1,8 @@
 """Run a function on real gloo ranks in fresh processes and collect what each rank returns; and
-the token exchange a test needs to run a reference model's forward."""
+the token exchange a test needs to run a reference model's forward.
+
+Tests start ranks through the ``run_on_ranks`` fixture (conftest.py), which marks them ``e2e``;
+:func:`start_ranks` refuses to start any for a test that did not ask for it."""
 
 from __future__ import annotations
 
@@ -29,8 +32,14 @@ def _rank_main(rank: int, world: int, store_dir: str, fn: Callable, args: tuple)
         dist.destroy_process_group()
 
 
-def run_on_ranks(world: int, fn: Callable, *args: Any) -> list[Any]:
+# Set by the run_on_ranks fixture for the test that asked for it.
+FIXTURE_ASKED = False
+
+
+def start_ranks(world: int, fn: Callable, *args: Any) -> list[Any]:
     """``fn(*args)`` on ``world`` gloo ranks; returns the per-rank results in rank order."""
+    if not FIXTURE_ASKED:
+        raise RuntimeError("a test starts rank processes through the run_on_ranks fixture, which marks it e2e")
     with tempfile.TemporaryDirectory() as store_dir:
         mp.start_processes(_rank_main, args=(world, store_dir, fn, args), nprocs=world, start_method="spawn")
         return [torch.load(Path(store_dir) / f"result{r}.pt") for r in range(world)]

@@ -94,7 +94,7 @@ def test_the_table_has_a_column_per_environment_and_marks_each_missing_golden(tm
     ]  # throughput-pec: an ABBA gate has no golden
 
 
-def test_status_says_ok_or_missing_and_what_a_run_compares_with_instead(run_harness, tmp_path: Path) -> None:
+def test_status_says_ok_or_missing_and_what_a_run_compares_with_instead(harness_main, tmp_path: Path) -> None:
     suites, goldens = tmp_path / "suites", tmp_path / "golden"
     suites.mkdir()
     for name in ("determinism", "parity", "parity-bf16", "throughput-pec"):
@@ -103,7 +103,7 @@ def test_status_says_ok_or_missing_and_what_a_run_compares_with_instead(run_harn
     other = INTEL if mine != INTEL else AMD
     own = _copy_golden(GOLDENS / "determinism" / f"{AMD}.json", goldens, "determinism", mine)
     _copy_golden(GOLDENS / "parity" / f"{AMD}.json", goldens, "parity", other)
-    status = run_harness("golden", "status", "--golden-dir", goldens, "--suites-dir", suites)
+    status = harness_main("golden", "status", "--golden-dir", goldens, "--suites-dir", suites)
     assert status.returncode == 0, status.stdout + status.stderr
     bf16 = run_env_key("cpu", "bf16-mixed")
     assert status.stdout.splitlines() == [
@@ -115,8 +115,8 @@ def test_status_says_ok_or_missing_and_what_a_run_compares_with_instead(run_harn
     ]
 
 
-def test_status_refuses_a_golden_dir_that_is_not_there(run_harness, tmp_path: Path) -> None:
-    status = run_harness("golden", "status", "--golden-dir", tmp_path / "absent")
+def test_status_refuses_a_golden_dir_that_is_not_there(harness_main, tmp_path: Path) -> None:
+    status = harness_main("golden", "status", "--golden-dir", tmp_path / "absent")
     assert (status.returncode, status.stdout) == (2, "")
     assert status.stderr == f"error: {tmp_path / 'absent'}: no such golden directory\n"
 

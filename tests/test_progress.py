@@ -2,17 +2,9 @@
 
 from __future__ import annotations
 
-import fcntl
 import io
 import json
-import os
-import pty
 import re
-import select
-import struct
-import subprocess
-import sys
-import termios
 import time
 from pathlib import Path
 
@@ -20,10 +12,9 @@ import pytest
 
 from harness.progress import BlockProgress, Progress
 
-REPO = Path(__file__).resolve().parent.parent
 _ESCAPES = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]")
 _CLOCK = r"\d+:\d\d:\d\d"
-# Variables by which rich (or a user) turns the live display off or forces it on.
+# Variables by which rich (or a user) turns the live display off or forces it on (as conftest's TERMINAL_OVERRIDES).
 _TERMINAL_OVERRIDES = ("TTY_INTERACTIVE", "TTY_COMPATIBLE", "FORCE_COLOR", "NO_COLOR", "COLUMNS")
 
 
@@ -195,41 +186,11 @@ def test_block_progress_prints_one_plain_line_per_measurement_off_a_terminal(tmp
     ]
 
 
-def _run_in_terminal(args: list[str], timeout_s: float = 300) -> tuple[int, str]:
-    """``python -m harness ARGS`` with a pseudo-terminal, 120 columns wide, as its stdout and
-    stderr; its exit code and everything it drew."""
-    master, slave = pty.openpty()
-    fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 40, 120, 0, 0))
-    env = {k: v for k, v in os.environ.items() if k not in _TERMINAL_OVERRIDES} | {"TERM": "xterm-256color"}
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "harness", *args], cwd=REPO, stdin=slave, stdout=slave, stderr=slave, env=env
-    )
-    os.close(slave)
-    drawn, deadline = [], time.monotonic() + timeout_s
-    try:
-        while time.monotonic() < deadline:
-            if not select.select([master], [], [], 1.0)[0]:
-                continue
-            try:
-                data = os.read(master, 1 << 16)
-            except OSError:  # EIO: the harness closed the terminal (exited)
-                break
-            if not data:
-                break
-            drawn.append(data)
-        return proc.wait(timeout=max(1.0, deadline - time.monotonic())), b"".join(drawn).decode(errors="replace")
-    finally:
-        os.close(master)
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
-
-
 @pytest.mark.parametrize("verbose", [False, True], ids=["live", "verbose"])
-def test_run_on_a_terminal_draws_live_lines_unless_verbose(tmp_path: Path, verbose: bool) -> None:
+def test_run_on_a_terminal_draws_live_lines_unless_verbose(run_in_terminal, tmp_path: Path, verbose: bool) -> None:
     """logical-ranks has two launch groups (2 processes, then 1): the second arm waits, then starts."""
     args = ["run", "logical-ranks", "--steps", "2", "--golden", "off", "--out", str(tmp_path / "run")]
-    code, drawn = _run_in_terminal(args + (["--verbose"] if verbose else []))
+    code, drawn = run_in_terminal(args + (["--verbose"] if verbose else []))
     text = "\n".join(_lines(drawn))
     assert code == 0, text
     plain = [line for line in text.splitlines() if line.startswith("[arm ")]

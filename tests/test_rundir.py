@@ -43,11 +43,11 @@ def test_a_run_that_unpickles_from_its_directory_is_refused_under_a_folder_other
     assert make_run_dir("resume", shared / "sticky", unpickled="the checkpoints") == shared / "sticky"
 
 
-def test_the_resume_suite_is_refused_before_launching_under_a_shared_folder(run_harness, tmp_path: Path) -> None:
+def test_the_resume_suite_is_refused_before_launching_under_a_shared_folder(harness_main, tmp_path: Path) -> None:
     shared = tmp_path / "shared"
     shared.mkdir()
     shared.chmod(0o777)
-    run = run_harness("run", "resume", "--out", shared / "run")
+    run = harness_main("run", "resume", "--out", shared / "run")
     assert run.returncode == 2, run.stdout + run.stderr
     assert run.stderr.strip().splitlines() == [
         f"error: {shared}: mode 0777 is writable by others without the sticky bit: another user could swap the"

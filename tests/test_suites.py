@@ -333,8 +333,8 @@ def test_a_config_json_suite_runs_and_a_model_override_reaches_the_ranks(run_har
     assert losses[0][0] != losses[1][0]
 
 
-def test_a_bad_model_override_exits_2_with_one_line_naming_it(run_harness, tmp_path: Path) -> None:
-    run = run_harness("run", FIXTURE / "suite.toml", "--set", "model.n_group=3", "--out", tmp_path / "run")
+def test_a_bad_model_override_exits_2_with_one_line_naming_it(harness_main, tmp_path: Path) -> None:
+    run = harness_main("run", FIXTURE / "suite.toml", "--set", "model.n_group=3", "--out", tmp_path / "run")
     assert run.returncode == 2
     assert run.stderr == "error: --set model.n_group: n_group 3 does not divide the 8 routed experts\n"
     assert not (tmp_path / "run").exists()

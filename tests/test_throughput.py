@@ -276,13 +276,13 @@ def test_abba_of_an_arm_against_itself_never_fails(run_harness, tmp_path: Path) 
         "budget-over-timeout",
     ],  # fmt: skip
 )
-def test_bad_abba_usage_exits_2_with_one_line(run_harness, tmp_path: Path, args: tuple, message: str) -> None:
-    run = run_harness("abba", *args, "--out", tmp_path / "run")
+def test_bad_abba_usage_exits_2_with_one_line(harness_main, tmp_path: Path, args: tuple, message: str) -> None:
+    run = harness_main("abba", *args, "--out", tmp_path / "run")
     assert run.returncode == 2, run.stdout + run.stderr
     assert message in run.stderr and len(run.stderr.strip().splitlines()) == 1
     assert not (tmp_path / "run").exists()
 
 
-def test_golden_update_of_a_throughput_suite_exits_2(run_harness, tmp_path: Path) -> None:
-    run = run_harness("golden", "update", "throughput-pec", "--out", tmp_path / "run")
+def test_golden_update_of_a_throughput_suite_exits_2(harness_main, tmp_path: Path) -> None:
+    run = harness_main("golden", "update", "throughput-pec", "--out", tmp_path / "run")
     assert run.returncode == 2 and "throughput-pec: a throughput run records no golden" in run.stderr

@@ -72,8 +72,8 @@ def test_what_bf16_mixed_cannot_be_is_refused(config: type, fields: dict, refusa
         config(**fields)
 
 
-def test_a_suite_asking_bf16_mixed_of_a_delayed_pipeline_exits_2_naming_the_field(run_harness) -> None:
-    run = run_harness("run", "strict-vs-stale", "--set", "train.precision=bf16-mixed")
+def test_a_suite_asking_bf16_mixed_of_a_delayed_pipeline_exits_2_naming_the_field(harness_main) -> None:
+    run = harness_main("run", "strict-vs-stale", "--set", "train.precision=bf16-mixed")
     assert run.returncode == 2, run.stdout + run.stderr
     assert "train.precision" in run.stderr and "runs on the plain trainer" in run.stderr
 
@@ -179,11 +179,11 @@ def replace_params(record: dict, dropped: str) -> dict:
     return {**record, "params": params}
 
 
-def test_tiers_out_of_range_are_refused_naming_the_field(run_harness, tmp_path: Path) -> None:
+def test_tiers_out_of_range_are_refused_naming_the_field(harness_main, tmp_path: Path) -> None:
     suite = (REPO / "suites" / "fidelity-bf16.toml").read_text().replace("multiple = 3.0", "multiple = 0.5")
     path = tmp_path / "fidelity-bf16.toml"
     path.write_text(suite)
-    run = run_harness("run", path)
+    run = harness_main("run", path)
     assert run.returncode == 2, run.stdout + run.stderr
     assert "checks.0.multiple: expected a multiple >= 1, got 0.5" in run.stderr
 

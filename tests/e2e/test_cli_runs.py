@@ -169,17 +169,17 @@ chunks = "two"
 """
 
 
-def test_bad_suite_exits_2_naming_file_and_field(run_harness, tmp_path: Path) -> None:
+def test_bad_suite_exits_2_naming_file_and_field(harness_main, tmp_path: Path) -> None:
     suite = tmp_path / "bad.toml"
     suite.write_text(BAD_SUITE)
-    run = run_harness("run", suite, "--out", tmp_path / "run")
+    run = harness_main("run", suite, "--out", tmp_path / "run")
     assert run.returncode == 2
     assert f'{suite}: arms.eager.chunks: expected int >= 1, got "two"' in run.stderr
     assert not (tmp_path / "run").exists()
 
 
-def test_bad_set_exits_2_naming_the_override(run_harness, tmp_path: Path) -> None:
-    run = run_harness("run", "logical-ranks", "--set", "arms.procs.chunks=two", "--out", tmp_path / "run")
+def test_bad_set_exits_2_naming_the_override(harness_main, tmp_path: Path) -> None:
+    run = harness_main("run", "logical-ranks", "--set", "arms.procs.chunks=two", "--out", tmp_path / "run")
     assert run.returncode == 2
     assert '--set arms.procs.chunks: expected int >= 1, got "two"' in run.stderr
     assert not (tmp_path / "run").exists()
@@ -199,12 +199,12 @@ def _golden_of(suite: str) -> str:
     ids=["corrupt", "other-suite"],
 )
 def test_corrupt_or_mismatched_golden_exits_2_naming_the_file(
-    run_harness, tmp_path: Path, content: str, message: str
+    harness_main, tmp_path: Path, content: str, message: str
 ) -> None:
     golden = tmp_path / "golden" / "determinism" / f"{CPU_KEY}.json"
     golden.parent.mkdir(parents=True)
     golden.write_text(content)
-    run = run_harness("run", "determinism", "--golden-dir", tmp_path / "golden", "--out", tmp_path / "run")
+    run = harness_main("run", "determinism", "--golden-dir", tmp_path / "golden", "--out", tmp_path / "run")
     assert run.returncode == 2, run.stdout + run.stderr
     assert str(golden) in run.stderr and message in run.stderr
     assert not (tmp_path / "run").exists()
@@ -302,14 +302,14 @@ def test_golden_of_another_cpu_isa_is_compared_at_the_cross_env_tier(run_harness
     assert json.loads((out / "manifest.json").read_text())["cpu_isa"]["env"]["ATEN_CPU_CAPABILITY"] == "avx2"
 
 
-def test_golden_of_another_configuration_is_exit_2_under_check(run_harness, tmp_path: Path) -> None:
+def test_golden_of_another_configuration_is_exit_2_under_check(run_harness, harness_main, tmp_path: Path) -> None:
     goldens = ("--golden-dir", tmp_path / "golden")
     update = run_harness(
         "golden", "update", "determinism", "--ranks", 1, "--steps", 2, *goldens, "--out", tmp_path / "u"
     )
     assert update.returncode == 0, update.stdout + update.stderr
     golden = tmp_path / "golden" / "determinism" / f"{CPU_KEY}.json"
-    longer = run_harness(
+    longer = harness_main(
         "run", "determinism", "--ranks", 1, "--steps", 3, "--golden", "check", *goldens, "--out", tmp_path / "r"
     )
     assert longer.returncode == 2, longer.stdout + longer.stderr
@@ -339,15 +339,15 @@ def test_golden_of_another_configuration_is_exit_2_under_check(run_harness, tmp_
     ],
     ids=["unwritable-out", "infinite-timeout", "no-checks", "trace-cache-file", "trace-cache-empty"],
 )
-def test_bad_usage_exits_2_with_one_line(run_harness, tmp_path: Path, args: tuple, message: str) -> None:
+def test_bad_usage_exits_2_with_one_line(harness_main, tmp_path: Path, args: tuple, message: str) -> None:
     (tmp_path / "file").write_text("")
-    run = run_harness("run", "logical-ranks", *(a.format(tmp=tmp_path) for a in args))
+    run = harness_main("run", "logical-ranks", *(a.format(tmp=tmp_path) for a in args))
     assert (run.returncode, run.stderr) == (2, message.format(tmp=tmp_path))
 
 
-def test_trace_cache_from_the_environment_is_checked_and_named(run_harness, tmp_path: Path) -> None:
+def test_trace_cache_from_the_environment_is_checked_and_named(harness_main, tmp_path: Path) -> None:
     (tmp_path / "file").write_text("")
-    run = run_harness("run", "logical-ranks", env={"HARNESS_TRACE_CACHE": tmp_path / "file"})
+    run = harness_main("run", "logical-ranks", env={"HARNESS_TRACE_CACHE": tmp_path / "file"})
     assert (run.returncode, run.stderr) == (
         2,
         f"error: HARNESS_TRACE_CACHE {tmp_path}/file: exists and is not a directory\n",

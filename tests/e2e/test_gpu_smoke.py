@@ -3,30 +3,19 @@ run here on CPU, and its FAIL lines and exit code when the runs fail."""
 
 from __future__ import annotations
 
-import os
 import subprocess
-import sys
 from pathlib import Path
 
-import pytest
-
 REPO = Path(__file__).resolve().parents[2]
-SMOKE = REPO / "benchmarks" / "gpu_smoke.sh"
-
-
-def _smoke(tmp_path: Path, **env: str) -> subprocess.CompletedProcess:
-    path = f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"  # this venv's harness
-    environ = {**os.environ, "PATH": path, "DEVICE": "cpu", "INSTALL": "0", "OUT": str(tmp_path / "smoke"), **env}
-    return subprocess.run(["bash", str(SMOKE)], cwd=REPO, env=environ, capture_output=True, text=True, timeout=600)
+SMOKE = REPO / "benchmarks" / "gpu_smoke.sh"  # run by the run_gpu_smoke fixture of conftest.py
 
 
 def test_the_smoke_script_parses() -> None:
     assert subprocess.run(["bash", "-n", str(SMOKE)], capture_output=True).returncode == 0
 
 
-@pytest.mark.e2e  # the script runs the harness's CLI
-def test_every_item_of_the_smoke_that_runs_on_cpu_passes_there(tmp_path: Path) -> None:
-    run = _smoke(tmp_path, STEPS="2")
+def test_every_item_of_the_smoke_that_runs_on_cpu_passes_there(run_gpu_smoke, tmp_path: Path) -> None:
+    run = run_gpu_smoke(tmp_path / "smoke", STEPS="2")
     assert run.returncode == 0, run.stdout + run.stderr
     lines = run.stdout.splitlines()
     assert [line for line in lines if line.startswith("PASS ")] == [
@@ -47,9 +36,8 @@ def test_every_item_of_the_smoke_that_runs_on_cpu_passes_there(tmp_path: Path) -
     assert not any(line.startswith("FAIL") for line in lines)
 
 
-@pytest.mark.e2e  # the script runs the harness's CLI
-def test_a_run_that_fails_is_a_fail_line_naming_its_exit_and_the_smoke_exits_1(tmp_path: Path) -> None:
-    run = _smoke(tmp_path, STEPS="1", SET="debug.fail_step=1", ONLY="doctor determinism")
+def test_a_run_that_fails_is_a_fail_line_naming_its_exit_and_the_smoke_exits_1(run_gpu_smoke, tmp_path: Path) -> None:
+    run = run_gpu_smoke(tmp_path / "smoke", STEPS="1", SET="debug.fail_step=1", ONLY="doctor determinism")
     assert run.returncode == 1, run.stdout + run.stderr
     lines = run.stdout.splitlines()
     assert f"FAIL determinism (exit 3; {tmp_path / 'smoke' / 'determinism'})" in lines

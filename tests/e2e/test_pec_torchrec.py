@@ -123,10 +123,10 @@ def test_without_torchrec_the_suite_is_refused_with_the_install_line(run_harness
     ],
 )
 def test_an_arm_torchrec_cannot_mirror_is_refused_naming_the_field(
-    run_harness, tmp_path: Path, options: tuple, message: str
+    harness_main, tmp_path: Path, options: tuple, message: str
 ) -> None:
     out = tmp_path / "run"
-    run = run_harness("run", "pec-torchrec", *options, "--out", out)
+    run = harness_main("run", "pec-torchrec", *options, "--out", out)
     assert run.returncode == 2, run.stdout + run.stderr
     assert run.stderr == f"error: suites/pec-torchrec.toml: {message}\n"
     assert not out.exists()

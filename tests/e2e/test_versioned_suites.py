@@ -115,8 +115,8 @@ def test_planted_double_apply_is_caught_by_exactly_once(run_harness, tmp_path: P
     assert "versioned: exactly-once" in run.stdout and "batch 3 applied 2 times" in run.stdout
 
 
-def test_delay_beyond_max_staleness_exits_2_before_launching(run_harness, tmp_path: Path) -> None:
-    run = run_harness("run", "strict-vs-stale", "--set", "arms.stale.delay=3", "--out", tmp_path / "run")
+def test_delay_beyond_max_staleness_exits_2_before_launching(harness_main, tmp_path: Path) -> None:
+    run = harness_main("run", "strict-vs-stale", "--set", "arms.stale.delay=3", "--out", tmp_path / "run")
     assert run.returncode == 2, run.stdout + run.stderr
     assert run.stderr == "error: --set arms.stale.delay: delay 3 exceeds max_gradient_staleness 2\n"
     assert not (tmp_path / "run").exists()

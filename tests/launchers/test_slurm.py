@@ -174,9 +174,9 @@ def test_job_over_its_time_limit_exits_3(run_harness, tmp_path: Path) -> None:
         ("", ("--nodes", 4), "--nodes 4: group 'eager+eager-traced+graph' has 2 ranks, not a multiple of 4"),
     ],
 )
-def test_bad_profile_exits_2_with_nothing_submitted(run_harness, tmp_path: Path, profile, flags, message) -> None:
+def test_bad_profile_exits_2_with_nothing_submitted(harness_main, tmp_path: Path, profile, flags, message) -> None:
     out = tmp_path / "run"
-    run = run_harness("submit", "parity", "--profile", write_profile(tmp_path, profile), *flags, "--out", out)
+    run = harness_main("submit", "parity", "--profile", write_profile(tmp_path, profile), *flags, "--out", out)
     assert run.returncode == 2, run.stdout + run.stderr
     assert message in run.stderr
     assert not out.exists()

@@ -7,7 +7,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from distributed import run_on_ranks
 
 from harness.checks.exchange import delayed_oracle_plan
 from harness.records import read_jsonl
@@ -85,7 +84,7 @@ def _both_trainers(config: PipelineConfig) -> tuple[dict, dict]:
     return train(VersionedTrainer, config), train(DelayedOracleTrainer, config)
 
 
-def test_pipeline_equals_the_oracle_on_two_processes() -> None:
+def test_pipeline_equals_the_oracle_on_two_processes(run_on_ranks) -> None:
     ranks = run_on_ranks(2, _both_trainers, PipelineConfig(**EP, delay=2, correction="always", retention="replay"))
     for pipeline, oracle in ranks:
         assert_bitwise_equal(pipeline, oracle)

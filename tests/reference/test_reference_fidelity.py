@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from distributed import cpu_exchange, run_on_ranks
+from distributed import cpu_exchange
 
 from harness.reference.ep.exchange import bind
 from harness.reference.ep.group import LogicalGroup
@@ -142,7 +142,7 @@ def _ep2_worker(state: dict) -> tuple[torch.Tensor, dict]:
     return reference_on_rank(dist.get_rank(), 2, state)
 
 
-def test_matches_transformers_with_experts_on_two_gloo_processes() -> None:
+def test_matches_transformers_with_experts_on_two_gloo_processes(run_on_ranks) -> None:
     hf_logits, hf_grads, state = hf_logits_and_grads()
     for rank, (logits, grads) in enumerate(run_on_ranks(2, _ep2_worker, state)):
         assert_matches_hf(logits, grads, hf_logits, hf_grads, rank=rank, ep=2)

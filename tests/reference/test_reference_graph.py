@@ -12,7 +12,6 @@ from dataclasses import replace
 import pytest
 import torch
 import torch.fx.traceback as fx_traceback
-from distributed import run_on_ranks
 
 from harness.checks.exchange import check_planned_exchanges, training_plan
 from harness.checks.graph import (
@@ -228,7 +227,7 @@ def test_graph_and_eager_traced_match_eager_bitwise_with_identical_events(eager:
     assert [r.status for r in results] == ["pass"] * 4, [r.detail for r in results]
 
 
-def test_graph_on_two_gloo_processes_matches_eager_in_one(eager: dict, eager_traced: dict) -> None:
+def test_graph_on_two_gloo_processes_matches_eager_in_one(run_on_ranks, eager: dict, eager_traced: dict) -> None:
     ranks = run_on_ranks(2, trajectory, replace(CONFIG, chunking="graph"), STEPS)
     assert [r["metrics"] for r in ranks] == [eager["metrics"]] * 2
     assert without_seq({**ranks[0]["events"], **ranks[1]["events"]}) == without_seq(eager_traced["events"])

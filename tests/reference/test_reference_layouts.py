@@ -2,13 +2,10 @@
 
 from __future__ import annotations
 
-import subprocess
-import sys
 import threading
 
 import pytest
 import torch
-from distributed import run_on_ranks
 
 from harness.reference.chunking.trace_cache import GraphCache
 from harness.reference.train import TrainConfig, Trainer, accelerator_identity
@@ -46,7 +43,7 @@ def assert_bitwise_equal(a: dict, b: dict) -> None:
 
 
 @pytest.mark.parametrize("ep,layouts", [(2, (2, 1)), (4, (4, 2, 1))])
-def test_loss_and_every_gradient_bitwise_equal_across_layouts(ep: int, layouts: tuple[int, ...]) -> None:
+def test_loss_and_every_gradient_bitwise_equal_across_layouts(run_on_ranks, ep: int, layouts: tuple[int, ...]) -> None:
     config = TrainConfig(ep=ep, chunking="eager", chunks=2)
     runs = {}
     for processes in layouts:
@@ -60,12 +57,8 @@ def test_loss_and_every_gradient_bitwise_equal_across_layouts(ep: int, layouts: 
         assert_bitwise_equal(reference, runs[processes])
 
 
-def test_cli_prints_identical_output_for_two_and_one_process() -> None:
-    def run(ranks: int) -> str:
-        cmd = [sys.executable, "-m", "harness.reference", "--ep", "2", "--ranks", str(ranks), "--steps", "5"]
-        return subprocess.run(cmd, check=True, capture_output=True, text=True, timeout=300).stdout
-
-    two, one = run(2), run(1)
+def test_cli_prints_identical_output_for_two_and_one_process(run_reference) -> None:
+    two, one = (run_reference("--ep", 2, "--ranks", ranks, "--steps", 5) for ranks in (2, 1))
     assert len(one.splitlines()) == 5
     assert two == one
 

@@ -8,7 +8,6 @@ from dataclasses import replace
 
 import pytest
 import torch
-from distributed import run_on_ranks
 
 from harness.reference.ep.group import LogicalGroup
 from harness.reference.pec import (
@@ -205,7 +204,7 @@ def test_a_late_or_misclassified_update_makes_pipelined_differ_from_sequential(f
     assert faulty["metrics"] != sequential["metrics"]
 
 
-def test_two_gloo_processes_equal_one_process_and_pipelined_equals_sequential() -> None:
+def test_two_gloo_processes_equal_one_process_and_pipelined_equals_sequential(run_on_ranks) -> None:
     one_process = train(BASE)
     two_processes = merged(run_on_ranks(2, train, BASE))
     assert_same_training(one_process, two_processes)

@@ -6,7 +6,6 @@ import math
 
 import pytest
 import torch
-from distributed import run_on_ranks
 from torch import nn
 
 from harness.reference.model import causal_lm_loss
@@ -302,7 +301,7 @@ def _preflight_fails_on_rank_1() -> dict:
     return {"error": error, "unchanged": unchanged, "versions": (tuple(version), tuple(engine.version))}
 
 
-def test_a_failed_preflight_on_rank_1_leaves_rank_0_untouched() -> None:
+def test_a_failed_preflight_on_rank_1_leaves_rank_0_untouched(run_on_ranks) -> None:
     results = run_on_ranks(2, _preflight_fails_on_rank_1)
     for rank, result in enumerate(results):
         assert "logical rank 1: batch 1: parameters were replaced after forward" in result["error"], rank
@@ -311,7 +310,7 @@ def test_a_failed_preflight_on_rank_1_leaves_rank_0_untouched() -> None:
         assert result["versions"][0] == result["versions"][1]
 
 
-def test_ep2_on_one_and_two_processes_is_bitwise_identical_at_delay_2() -> None:
+def test_ep2_on_one_and_two_processes_is_bitwise_identical_at_delay_2(run_on_ranks) -> None:
     config = PipelineConfig(**EP, delay=2, correction="always")
     one = pipeline_run(config, 4)
     two = run_on_ranks(2, pipeline_run, config, 4)

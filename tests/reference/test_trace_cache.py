@@ -11,6 +11,7 @@ import pickle
 import shutil
 import threading
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -55,6 +56,32 @@ def build(config: TrainConfig, cache: GraphCache) -> Trainer:
     return trainer
 
 
+@dataclass
+class Traced:
+    trainer: Trainer  # CONFIG built into an empty cache folder: traced (a miss), then stored
+    entry: Path  # the entry it stored
+
+
+@pytest.fixture(scope="module")
+def traced_once(tmp_path_factory: pytest.TempPathFactory, session_dir: Path) -> Traced:
+    """CONFIG traced once for the module, its entry signed with the session's key (conftest.py), which
+    every test here signs with. A test whose cache must hold that entry first copies it
+    (:func:`cache_holding`) rather than tracing again; only test_a_hit_builds_and_trains_exactly_as_a_trace
+    trains the trainer."""
+    folder = tmp_path_factory.mktemp("traced") / "cache"
+    with pytest.MonkeyPatch.context() as env:
+        env.setenv("XDG_CONFIG_HOME", str(session_dir / "config"))
+        trainer = build(CONFIG, GraphCache(folder))  # the sources' digest is their copies' (relative paths)
+    return Traced(trainer, only_entry(folder))
+
+
+def cache_holding(entry: Path, folder: Path) -> Path:
+    """``folder``, made private as the cache makes it, holding a copy of ``entry`` (its 0600 mode
+    too): what building CONFIG into an empty ``folder`` leaves. The copy's path."""
+    folder.mkdir(mode=0o700, parents=True)
+    return Path(shutil.copy2(entry, folder))
+
+
 def train(trainer: Trainer, steps: int = 3) -> list[tuple[float, float]]:
     return [(r["loss"], r["grad_norm"]) for r in (trainer.step(step) for step in range(1, steps + 1))]
 
@@ -68,10 +95,11 @@ def mode(path: Path) -> int:
     return path.lstat().st_mode & 0o7777
 
 
-def test_a_hit_builds_and_trains_exactly_as_a_trace(tmp_path: Path, sources: Path) -> None:
-    traced = build(CONFIG, GraphCache(tmp_path / "cache", sources))
+def test_a_hit_builds_and_trains_exactly_as_a_trace(traced_once: Traced, tmp_path: Path, sources: Path) -> None:
+    entry, traced = traced_once.entry, traced_once.trainer
     assert traced.graph_build["origin"] == "trace" and traced.graph_build["cache"] == "miss"
-    assert len(list((tmp_path / "cache").glob("*.graph"))) == 1
+    assert list(entry.parent.glob("*.graph")) == [entry]
+    cache_holding(entry, tmp_path / "cache")
 
     cached = build(CONFIG, GraphCache(tmp_path / "cache", sources))
     assert cached.graph_build["origin"] == "cache" and cached.graph_build["cache"] == "hit"
@@ -89,8 +117,8 @@ def test_a_hit_builds_and_trains_exactly_as_a_trace(tmp_path: Path, sources: Pat
         assert torch.equal(a, b), name
 
 
-def test_a_changed_reference_source_misses(tmp_path: Path, sources: Path) -> None:
-    build(CONFIG, GraphCache(tmp_path / "cache", sources))
+def test_a_changed_reference_source_misses(traced_once: Traced, tmp_path: Path, sources: Path) -> None:
+    cache_holding(traced_once.entry, tmp_path / "cache")
     assert build(CONFIG, GraphCache(tmp_path / "cache", sources)).graph_build["cache"] == "hit"
 
     pass_file = sources / "chunking" / "graph.py"
@@ -100,8 +128,8 @@ def test_a_changed_reference_source_misses(tmp_path: Path, sources: Path) -> Non
     assert len(list((tmp_path / "cache").glob("*.graph"))) == 2
 
 
-def test_another_config_misses(tmp_path: Path, sources: Path) -> None:
-    build(CONFIG, GraphCache(tmp_path / "cache", sources))
+def test_another_config_misses(traced_once: Traced, tmp_path: Path, sources: Path) -> None:
+    cache_holding(traced_once.entry, tmp_path / "cache")
     other = TrainConfig(ep=1, chunking="eager-traced", chunks=4)
     assert build(other, GraphCache(tmp_path / "cache", sources)).graph_build["cache"] == "miss"
 
@@ -118,9 +146,8 @@ def test_a_cached_faulty_graph_fails_the_same_static_checks(tmp_path: Path, sour
     assert failed(cached) == failed(traced) == {"graph:chunk-order"}
 
 
-def test_an_unreadable_entry_is_traced_again_and_replaced(tmp_path: Path, sources: Path) -> None:
-    build(CONFIG, GraphCache(tmp_path / "cache", sources))
-    (entry,) = (tmp_path / "cache").glob("*.graph")
+def test_an_unreadable_entry_is_traced_again_and_replaced(traced_once: Traced, tmp_path: Path, sources: Path) -> None:
+    entry = cache_holding(traced_once.entry, tmp_path / "cache")
     entry.write_bytes(entry.read_bytes()[:1000])  # cut short, as by a full disk
 
     retraced = build(CONFIG, GraphCache(tmp_path / "cache", sources))
@@ -138,9 +165,10 @@ def test_an_unwritable_cache_costs_only_the_trace(tmp_path: Path, sources: Path)
     assert train(trainer, 1)[0][0] > 0
 
 
-def test_an_entry_replaced_by_code_is_refused_unrun_and_replaced(tmp_path: Path, sources: Path) -> None:
-    build(CONFIG, GraphCache(tmp_path / "cache", sources))
-    entry, marker = only_entry(tmp_path / "cache"), tmp_path / "ran"
+def test_an_entry_replaced_by_code_is_refused_unrun_and_replaced(
+    traced_once: Traced, tmp_path: Path, sources: Path
+) -> None:
+    entry, marker = cache_holding(traced_once.entry, tmp_path / "cache"), tmp_path / "ran"
     entry.write_bytes(pickle.dumps(WritesAFile(marker)))
 
     retraced = build(CONFIG, GraphCache(tmp_path / "cache", sources))
@@ -150,9 +178,10 @@ def test_an_entry_replaced_by_code_is_refused_unrun_and_replaced(tmp_path: Path,
     assert build(CONFIG, GraphCache(tmp_path / "cache", sources)).graph_build["cache"] == "hit"
 
 
-def test_code_ahead_of_the_real_graph_signed_with_another_key_never_runs(tmp_path: Path, sources: Path) -> None:
-    build(CONFIG, GraphCache(tmp_path / "cache", sources))
-    entry, marker = only_entry(tmp_path / "cache"), tmp_path / "ran"
+def test_code_ahead_of_the_real_graph_signed_with_another_key_never_runs(
+    traced_once: Traced, tmp_path: Path, sources: Path
+) -> None:
+    entry, marker = cache_holding(traced_once.entry, tmp_path / "cache"), tmp_path / "ran"
     graph = CacheSlot(entry, open_cache(tmp_path / "cache")).load(ScheduledGraph)
     assert isinstance(graph, ScheduledGraph)
     CacheSlot(entry, b"another user's key").store((WritesAFile(marker), graph))
@@ -162,9 +191,10 @@ def test_code_ahead_of_the_real_graph_signed_with_another_key_never_runs(tmp_pat
     assert (retraced.graph_build["origin"], retraced.graph_build["cache"]) == ("trace", TAG_MISMATCH)
 
 
-def test_a_signed_entry_of_another_type_is_a_miss_and_replaced(tmp_path: Path, sources: Path) -> None:
-    build(CONFIG, GraphCache(tmp_path / "cache", sources))
-    entry = only_entry(tmp_path / "cache")
+def test_a_signed_entry_of_another_type_is_a_miss_and_replaced(
+    traced_once: Traced, tmp_path: Path, sources: Path
+) -> None:
+    entry = cache_holding(traced_once.entry, tmp_path / "cache")
     CacheSlot(entry, open_cache(tmp_path / "cache")).store(42)
 
     retraced = build(CONFIG, GraphCache(tmp_path / "cache", sources))
@@ -182,11 +212,10 @@ def test_a_signed_entry_of_another_type_is_a_miss_and_replaced(tmp_path: Path, s
     ids=["another-users", "symlink"],
 )
 def test_an_entry_that_is_not_the_users_own_file_is_refused_and_replaced(
-    tmp_path: Path, sources: Path, foreign, why: str
+    traced_once: Traced, tmp_path: Path, sources: Path, foreign, why: str
 ) -> None:
     """Not even opened: the symbolic link points to a valid entry of the user's."""
-    build(CONFIG, GraphCache(tmp_path / "cache", sources))
-    entry = only_entry(tmp_path / "cache")
+    entry = cache_holding(traced_once.entry, tmp_path / "cache")
     foreign(entry)
 
     retraced = build(CONFIG, GraphCache(tmp_path / "cache", sources))
@@ -206,11 +235,10 @@ def test_an_entry_that_is_not_the_users_own_file_is_refused_and_replaced(
     ids=["world-writable", "group-writable", "another-users"],
 )
 def test_a_folder_others_could_write_is_neither_read_nor_written(
-    tmp_path: Path, sources: Path, unsafe, why: str
+    traced_once: Traced, tmp_path: Path, sources: Path, unsafe, why: str
 ) -> None:
     folder = tmp_path / "cache"
-    build(CONFIG, GraphCache(folder, sources))
-    entry = only_entry(folder)
+    entry = cache_holding(traced_once.entry, folder)
     written = entry.read_bytes()
     unsafe(folder)
 

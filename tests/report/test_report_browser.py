@@ -1,39 +1,24 @@
 """report.html as a browser renders it: Debian's headless chromium, a screenshot and the rendered DOM.
 
-Chromium is installed when missing (.ci/install-chromium: root and apt-get), as the Slurm tests
-install Slurm. Where it cannot be had the test skips and says why, except in CI (``CI`` set), where
-a report never checked in a browser is a failure.
+Chromium is installed when missing (the ``chromium`` fixture of conftest.py: .ci/install-chromium, root
+and apt-get), as the Slurm tests install Slurm. Where it cannot be had the test skips and says why,
+except in CI (``CI`` set), where a report never checked in a browser is a failure.
 """
 
 from __future__ import annotations
 
-import os
 import subprocess
 from pathlib import Path
 
 import matplotlib.image
 import numpy as np
-import pytest
 from throughput_runs import write_throughput_run
 
 from harness.report import read_throughput, write_html
 
-INSTALL = Path(__file__).resolve().parents[2] / ".ci" / "install-chromium"
 INCONCLUSIVE_BANNER_RGB = (0x8A, 0x6D, 0x00)  # .banner.inconclusive in the report's CSS
 # Chromium's own calls home are refused on a closed network, many at a time: keep it quiet.
 QUIET = ("--disable-background-networking", "--disable-component-update", "--disable-sync", "--no-first-run")
-
-
-@pytest.fixture(scope="session")
-def chromium() -> str:
-    """The path of Debian's chromium, installed first if missing."""
-    found = subprocess.run([str(INSTALL)], capture_output=True, text=True, timeout=900)
-    if found.returncode != 0:
-        why = found.stderr.strip() or f"{INSTALL} exit code {found.returncode}"
-        if os.environ.get("CI"):
-            pytest.fail(f"no chromium for the browser test in CI: {why}")
-        pytest.skip(f"no chromium (Debian package: chromium): {why}")
-    return found.stdout.strip().splitlines()[-1]
 
 
 def _chromium(chromium: str, tmp_path: Path, *args: str) -> subprocess.CompletedProcess:

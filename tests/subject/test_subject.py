@@ -54,8 +54,8 @@ def test_tiny_dp_planted_unsynced_gradient_fails_naming_the_step_and_the_rank(ru
 
 
 @pytest.mark.parametrize("kind", ["token-exchange-invariants", "graph-invariants", "routing-counts", "pec-invariants"])
-def test_a_check_tiny_dp_cannot_feed_is_refused_at_load_naming_the_check_and_subject(run_harness, kind: str) -> None:
-    run = run_harness("run", TINY_DP, "--set", f"checks.2.kind={kind}")
+def test_a_check_tiny_dp_cannot_feed_is_refused_at_load_naming_the_check_and_subject(harness_main, kind: str) -> None:
+    run = harness_main("run", TINY_DP, "--set", f"checks.2.kind={kind}")
     assert run.returncode == 2, run.stdout + run.stderr
     assert run.stderr.strip().splitlines() == [
         f'error: --set checks.2.kind: {kind} reads {_reads(kind)} records, which subject "tiny-dp" does not emit'
@@ -240,12 +240,12 @@ def test_a_subject_module_others_could_have_written_is_refused_before_it_is_impo
 
 
 def test_a_subject_module_in_a_shared_folder_exits_2_with_one_line_and_nothing_launched(
-    run_harness, tmp_path: Path
+    harness_main, tmp_path: Path
 ) -> None:
     suite, folder = _shared(tmp_path, "shared_cli")
     folder.chmod(0o777)
     out = tmp_path / "run"
-    run = run_harness("run", suite, "--out", out)
+    run = harness_main("run", suite, "--out", out)
     assert run.returncode == 2, run.stdout + run.stderr
     assert run.stderr.splitlines() == [
         f'error: {suite}: subject: subject "shared_cli:subject": refused: {folder}: mode 0777 is writable by others'
