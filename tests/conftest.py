@@ -1,5 +1,6 @@
 """Fixtures for tests that start real processes (the harness CLI with its ranks, rank processes in a
-real process group, a browser), which mark them ``e2e``; and /proc scans."""
+real process group, a browser), which mark them ``e2e``; the CLI in the test's own process, for what
+it refuses before launching; the environment every test's runs see; /proc scans."""
 
 from __future__ import annotations
 
