@@ -1,5 +1,6 @@
 """Fixtures for tests that start real processes (the harness CLI with its ranks, rank processes in a
-real process group, a browser), which mark them ``e2e``; and /proc scans."""
+real process group, a browser), which mark them ``e2e``; the CLI in the test's own process, for what
+it refuses before launching; the environment every test's runs see; /proc scans."""
 
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ from pathlib import Path
 import jsonschema
 import pytest
 
+from harness.cli import main as cli_main  # here, at collection: see harness_main
 from harness.records import read_jsonl
 
 REPO = Path(__file__).resolve().parent.parent
@@ -67,13 +69,14 @@ def _command(args: tuple) -> list[str]:
     return [sys.executable, "-m", "harness", *map(str, args)]
 
 
-# A test that asks for one of these starts real processes: the harness's CLI in a subprocess, rank
-# processes and all (run_harness, start_harness, run_in_terminal; installed: a wheel's harness in a
-# fresh venv, tests/test_package.py; run_gpu_smoke: a script that runs it), rank processes in a real
-# gloo process group (run_on_ranks, and run_reference: the bundled reference's own CLI), or a headless
-# browser (chromium).
+# A test that asks for one of these starts real processes (a fixture that asks for one marks the
+# tests that use it): the harness's CLI in a subprocess, rank processes and all (run_harness,
+# module_run_harness, start_harness, run_in_terminal; installed: a wheel's harness in a fresh venv,
+# tests/test_package.py; run_gpu_smoke: a script that runs it), rank processes in a real gloo process
+# group (run_on_ranks, and run_reference: the bundled reference's own CLI), or a headless browser
+# (chromium).
 E2E_FIXTURES = frozenset(
-    {"run_harness", "start_harness", "run_in_terminal", "installed", "run_gpu_smoke"}
+    {"run_harness", "module_run_harness", "start_harness", "run_in_terminal", "installed", "run_gpu_smoke"}
     | {"run_on_ranks", "run_reference", "chromium"}
 )
 
@@ -127,15 +130,38 @@ def umask_000() -> Iterator[None]:
     os.umask(before)
 
 
+def _run_cli(args: tuple, timeout: float, env: dict[str, object]) -> CliRun:
+    start = time.monotonic()
+    environ = {**os.environ, **{k: str(v) for k, v in env.items()}}
+    proc = subprocess.run(_command(args), cwd=REPO, capture_output=True, text=True, timeout=timeout, env=environ)
+    return CliRun(proc.returncode, proc.stdout, proc.stderr, time.monotonic() - start)
+
+
 @pytest.fixture
 def run_harness() -> Callable[..., CliRun]:
     """``run_harness("run", "determinism", "--steps", 3)``: the real CLI, waited for."""
 
     def run(*args: object, timeout: float = 240, env: dict[str, object] | None = None) -> CliRun:
-        start = time.monotonic()
-        environ = {**os.environ, **{k: str(v) for k, v in (env or {}).items()}}
-        proc = subprocess.run(_command(args), cwd=REPO, capture_output=True, text=True, timeout=timeout, env=environ)
-        return CliRun(proc.returncode, proc.stdout, proc.stderr, time.monotonic() - start)
+        return _run_cli(args, timeout, env or {})
+
+    return run
+
+
+@pytest.fixture(scope="module")
+def module_run_harness(tmp_path_factory: pytest.TempPathFactory, session_dir: Path) -> Callable[..., CliRun]:
+    """``run_harness`` for a module-scoped fixture: one run that several tests read, each asserting on
+    it what it would assert on a run of its own. Module fixtures start before the autouse fixtures
+    above, so the run gets their environment here: an empty golden root, no first-op re-runs, the
+    session's trace cache and key."""
+    isolated = {
+        "HARNESS_GOLDEN_DIR": tmp_path_factory.mktemp("no-goldens"),
+        "HARNESS_FIRST_OP": "off",
+        "HARNESS_TRACE_CACHE": session_dir / "trace-cache",
+        "XDG_CONFIG_HOME": session_dir / "config",
+    }
+
+    def run(*args: object, timeout: float = 240, env: dict[str, object] | None = None) -> CliRun:
+        return _run_cli(args, timeout, {**isolated, **(env or {})})
 
     return run
 
@@ -145,8 +171,8 @@ def harness_main(capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyP
     """``harness_main("abba", "parity", "--blocks", 1)``: the harness command in this process
     (``harness.cli.main``), from the repository as ``run_harness`` runs it, with ``env`` set for the
     call; its exit code and what it printed. For commands refused before anything launches: a
-    subprocess would only add the start-up of torch to each."""
-    from harness.cli import main
+    subprocess would only add the start-up of torch to each. harness.cli is imported with conftest:
+    the streams its functions take by default are then the session's, never a finished test's."""
 
     def run(*args: object, env: dict[str, object] | None = None) -> CliRun:
         with monkeypatch.context() as patch:
@@ -155,7 +181,7 @@ def harness_main(capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyP
                 patch.setenv(name, str(value))
             capsys.readouterr()
             start = time.monotonic()
-            code = main([str(arg) for arg in args])
+            code = cli_main([str(arg) for arg in args])
             printed = capsys.readouterr()
         return CliRun(code, printed.out, printed.err, time.monotonic() - start)
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable
 from pathlib import Path
 
@@ -27,13 +28,14 @@ def suite_error(tmp_path: Path, text: str) -> str:
     return str(info.value).replace(str(path), "FILE")
 
 
-def refused_without(run_harness: Callable, tmp_path: Path, module: str, suite: str) -> str:
-    """``harness run SUITE`` where ``module`` cannot be imported (a None entry in sys.modules, set
-    at start-up): it must be refused with exit 2 before a run directory is made. Its stderr."""
-    (tmp_path / "hide").mkdir()
-    (tmp_path / "hide" / "sitecustomize.py").write_text(f"import sys\n\nsys.modules[{module!r}] = None\n")
+def refused_without(harness_main: Callable, tmp_path: Path, module: str, suite: str) -> str:
+    """``harness run SUITE`` (in this process: the ``harness_main`` fixture) where ``module`` cannot be
+    imported (a None entry in sys.modules): it must be refused with exit 2 before a run directory is
+    made. Its stderr."""
     out = tmp_path / "run"
-    run = run_harness("run", suite, "--out", out, env={"PYTHONPATH": tmp_path / "hide"})
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setitem(sys.modules, module, None)
+        run = harness_main("run", suite, "--out", out)
     assert run.returncode == 2, run.stdout + run.stderr
     assert not out.exists()
     return run.stderr

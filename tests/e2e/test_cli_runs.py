@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import shlex
+import shutil
 import xml.etree.ElementTree as ET
 from pathlib import Path
 
@@ -210,13 +211,25 @@ def test_corrupt_or_mismatched_golden_exits_2_naming_the_file(
     assert not (tmp_path / "run").exists()
 
 
-def test_golden_update_then_a_moved_golden_fails_as_a_regression_or_as_drift(run_harness, tmp_path: Path) -> None:
+@pytest.fixture(scope="module")
+def determinism_golden(module_run_harness, tmp_path_factory: pytest.TempPathFactory) -> tuple:
+    """``harness golden update determinism --ranks 1 --steps 2`` into an empty golden root: the update
+    and the root, which the golden tests below copy and change."""
+    folder = tmp_path_factory.mktemp("determinism-golden")
+    args = ("determinism", "--ranks", 1, "--steps", 2, "--golden-dir", folder / "golden", "--out", folder / "update")
+    return module_run_harness("golden", "update", *args), folder / "golden"
+
+
+def test_golden_update_then_a_moved_golden_fails_as_a_regression_or_as_drift(
+    run_harness, determinism_golden: tuple, tmp_path: Path
+) -> None:
     """The golden moves by 1e-9 at one step: in the golden's own environment that is the code (a
     regression); under a golden that says another torch recorded it, drift, whose re-bless command
     records the golden again and prints the diff."""
-    common = ("determinism", "--ranks", 1, "--steps", 2, "--golden-dir", tmp_path / "golden")
-    update = run_harness("golden", "update", *common, "--out", tmp_path / "update")
+    update, recorded = determinism_golden
     assert update.returncode == 0, update.stdout + update.stderr
+    shutil.copytree(recorded, tmp_path / "golden")
+    common = ("determinism", "--ranks", 1, "--steps", 2, "--golden-dir", tmp_path / "golden")
     golden = tmp_path / "golden" / "determinism" / f"{CPU_KEY}.json"
     assert "golden determinism/" in update.stdout and "new file" in update.stdout
     assert update.stdout.splitlines()[-2] == f"wrote determinism/{CPU_KEY}.json"
@@ -272,7 +285,7 @@ def test_golden_update_then_a_moved_golden_fails_as_a_regression_or_as_drift(run
     assert "  first/loss: changed: first divergence at step 2:" in blessed.stdout
 
 
-def test_golden_of_another_cpu_isa_is_compared_at_the_cross_env_tier(run_harness, tmp_path: Path) -> None:
+def test_golden_of_another_cpu_isa_is_compared_at_the_cross_env_tier(run_harness, harness_main, tmp_path: Path) -> None:
     goldens = ("--golden-dir", tmp_path / "golden")
     common = ("logical-ranks", "--steps", 3, *goldens)
     native = run_harness("golden", "update", *common, "--cpu-isa", "native", "--out", tmp_path / "native")
@@ -280,7 +293,7 @@ def test_golden_of_another_cpu_isa_is_compared_at_the_cross_env_tier(run_harness
     [recorded] = (tmp_path / "golden" / "logical-ranks").iterdir()
     assert recorded.name.startswith("cpu-native-") and recorded.stem != CPU_KEY
 
-    doctor = run_harness("doctor", *goldens)
+    doctor = harness_main("doctor", *goldens)
     assert f"env key cpu    {CPU_KEY}" in doctor.stdout and "goldens cpu    none in" in doctor.stdout
 
     out = tmp_path / "pinned"
@@ -302,12 +315,13 @@ def test_golden_of_another_cpu_isa_is_compared_at_the_cross_env_tier(run_harness
     assert json.loads((out / "manifest.json").read_text())["cpu_isa"]["env"]["ATEN_CPU_CAPABILITY"] == "avx2"
 
 
-def test_golden_of_another_configuration_is_exit_2_under_check(run_harness, harness_main, tmp_path: Path) -> None:
-    goldens = ("--golden-dir", tmp_path / "golden")
-    update = run_harness(
-        "golden", "update", "determinism", "--ranks", 1, "--steps", 2, *goldens, "--out", tmp_path / "u"
-    )
+def test_golden_of_another_configuration_is_exit_2_under_check(
+    run_harness, harness_main, determinism_golden: tuple, tmp_path: Path
+) -> None:
+    update, recorded = determinism_golden
     assert update.returncode == 0, update.stdout + update.stderr
+    shutil.copytree(recorded, tmp_path / "golden")
+    goldens = ("--golden-dir", tmp_path / "golden")
     golden = tmp_path / "golden" / "determinism" / f"{CPU_KEY}.json"
     longer = harness_main(
         "run", "determinism", "--ranks", 1, "--steps", 3, "--golden", "check", *goldens, "--out", tmp_path / "r"

@@ -329,8 +329,8 @@ def test_an_oracle_whose_values_are_the_references_fails_the_suite(run_harness, 
         assert check["extra"]["bitwise"]["differing"] == 0
 
 
-def test_without_transformers_the_suite_is_refused_with_the_install_hint(run_harness, tmp_path: Path) -> None:
-    assert refused_without(run_harness, tmp_path, "transformers", "fidelity") == (
+def test_without_transformers_the_suite_is_refused_with_the_install_hint(harness_main, tmp_path: Path) -> None:
+    assert refused_without(harness_main, tmp_path, "transformers", "fidelity") == (
         "error: suites/fidelity.toml: arms.q-lora.oracle: needs transformers, which is not installed:"
         " pip install -c constraints.txt 'harness[fidelity]'\n"
     )

@@ -121,8 +121,8 @@ def test_what_torchtitan_has_no_counterpart_of_is_refused_naming_the_field(
     assert suite_error(tmp_path, SUITE.replace(*change)) == expected
 
 
-def test_without_torchtitan_the_suite_is_refused_with_the_install_line(run_harness, tmp_path: Path) -> None:
-    assert refused_without(run_harness, tmp_path, "torchtitan", "fidelity-torchtitan") == (
+def test_without_torchtitan_the_suite_is_refused_with_the_install_line(harness_main, tmp_path: Path) -> None:
+    assert refused_without(harness_main, tmp_path, "torchtitan", "fidelity-torchtitan") == (
         "error: suites/fidelity-torchtitan.toml: arms.learned.oracle: needs torchtitan, which is not installed:"
         " pip install -c constraints.txt 'harness[torchtitan]'\n"
     )

@@ -4,6 +4,7 @@ sitecustomize module (loaded by every rank at start-up) are judged by the harnes
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
@@ -51,39 +52,58 @@ def test_parity_passes_with_golden_and_four_chunks(run_harness, tmp_path: Path) 
     assert "graph: graph:exchange-counts" in {c["name"] for c in run.summary(out)["checks"]}
 
 
-@pytest.mark.parametrize(
-    "fault,caught_by",
-    [
-        (
-            "skip-buffer-pass",
-            {"graph: graph:buffer-sets", "graph: token-exchange:buffer-reuse", "eager vs graph: loss"},
-        ),
-        ("drop-wait", {"graph: graph:launch-wait-pairs", "graph: token-exchange:launch-wait-pairing"}),
-        ("forward-order-backward", {"graph: graph:chunk-order", "eager-traced vs graph: events"}),
-        ("clone-forward-only", {"graph: graph:exchange-counts", "graph: token-exchange:expected-counts"}),
-    ],
-)
-def test_planted_graph_bug_fails_the_check_that_names_it(
-    run_harness, tmp_path: Path, fault: str, caught_by: set[str]
-) -> None:
-    out = tmp_path / fault
-    run = run_harness(
-        "run",
-        "parity",
-        "--ranks",
-        2,
-        "--steps",
-        1,
-        "--golden",
-        "off",
-        "--set",
-        f"arms.graph.fault={fault}",
-        "--out",
-        out,
-    )
+# Each graph bug of the reference planted in a graph arm of its own, and the checks that must catch
+# it there ({arm}: that arm). drop-wait runs last: it leaves exchanges that no wait drains.
+GRAPH_FAULTS = {
+    "skip-buffer-pass": {"{arm}: graph:buffer-sets", "{arm}: token-exchange:buffer-reuse", "eager vs {arm}: loss"},
+    "forward-order-backward": {"{arm}: graph:chunk-order", "eager-traced vs {arm}: events"},
+    "clone-forward-only": {"{arm}: graph:exchange-counts", "{arm}: token-exchange:expected-counts"},
+    "drop-wait": {"{arm}: graph:launch-wait-pairs", "{arm}: token-exchange:launch-wait-pairing"},
+}
+FAULTY_ARMS = [f"graph-{fault}" for fault in GRAPH_FAULTS]
+
+
+def _parity_with_faulty_graph_arms() -> str:
+    """The parity suite (one step) with its graph arm once per planted bug, each compared and checked
+    as parity compares and checks its graph arm."""
+    text = Path(__file__).resolve().parents[2].joinpath("suites", "parity.toml").read_text()
+    head = "".join(line for line in text[: text.index("[arms.eager]")].splitlines(True) if not line.startswith("#"))
+    head = head.replace('name = "parity"', 'name = "parity-graph-faults"').replace("steps = 20", "steps = 1")
+    head = re.sub(r'description = ".*"', 'description = "parity, its graph arm once per planted graph bug"', head)
+    arms = '[arms.eager]\nchunking = "eager"\n\n[arms.eager-traced]\nchunking = "eager-traced"\n\n'
+    arms += "".join(f'[arms.graph-{fault}]\nchunking = "graph"\nfault = "{fault}"\n\n' for fault in GRAPH_FAULTS)
+    pairs = ""
+    for arm in FAULTY_ARMS:
+        for base in ("eager", "eager-traced"):
+            pairs += f'[[checks]]\nkind = "exact"\narms = ["{base}", "{arm}"]\nmetrics = ["loss", "grad_norm"]\n\n'
+            pairs += f'[[checks]]\nkind = "final-weights"\narms = ["{base}", "{arm}"]\n\n'
+        pairs += f'[[checks]]\nkind = "same-event-sequence"\narms = ["eager-traced", "{arm}"]\n\n'
+    graph_arms = ", ".join(f'"{arm}"' for arm in ["eager-traced", *FAULTY_ARMS])
+    every = ["token-exchange-invariants", "overlap", "ranks-agree", "routing-counts"]
+    rest = f'[[checks]]\nkind = "graph-invariants"\narms = [{graph_arms}]\n\n'
+    rest += "".join(f'[[checks]]\nkind = "{kind}"\n\n' for kind in every)
+    return head + arms + pairs + rest
+
+
+@pytest.fixture(scope="module")
+def graph_faults(module_run_harness, tmp_path_factory: pytest.TempPathFactory) -> tuple:
+    """One 2-rank run of every planted graph bug, each in its own arm; the run and its directory."""
+    folder = tmp_path_factory.mktemp("graph-faults")
+    suite = folder / "parity-graph-faults.toml"
+    suite.write_text(_parity_with_faulty_graph_arms())
+    out = folder / "run"
+    return module_run_harness("run", suite, "--ranks", 2, "--golden", "off", "--out", out, timeout=400), out
+
+
+@pytest.mark.parametrize("fault", list(GRAPH_FAULTS))
+def test_planted_graph_bug_fails_the_check_that_names_it(graph_faults: tuple, fault: str) -> None:
+    run, out = graph_faults
     assert run.returncode == 1, run.stdout + run.stderr
+    caught_by = {name.format(arm=f"graph-{fault}") for name in GRAPH_FAULTS[fault]}
     assert caught_by <= failing(run, out)
     assert run.summary(out)["verdict"] == "fail"
+    # Only the faulty arms fail: eager and eager-traced, run in the same processes, pass every check.
+    assert all(any(arm in name for arm in FAULTY_ARMS) for name in failing(run, out)), failing(run, out)
 
 
 def run_parity_with(run_harness, plant, tmp_path: Path, bug: str, suite: str = "parity") -> tuple:

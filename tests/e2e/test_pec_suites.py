@@ -5,6 +5,7 @@ fails the autograd invariant, as its negative suite expects."""
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
@@ -53,44 +54,82 @@ def test_pec_passes_over_20_steps_and_ep2_in_one_process_gives_the_same_bits(run
     ]
 
 
-@pytest.mark.parametrize(
-    "fault,caught_by",
-    [
-        # NOL applied two batches late: a wrong hand-off, rows read stale, and the numbers part
-        (
-            "nol-two-late",
-            {
-                "pipelined: pec:nol-handoff",
-                "pipelined: pec:fresh-lookups",
-                "pipelined: pec:starts-per-call",
-                "sequential vs pipelined: loss",
-                "sequential vs pipelined: grad_norm",
-                "sequential vs pipelined, final weights",
-            },
-        ),
-        ("ol-before-backward", {"pipelined: pec:ol-window"}),
-        # the last batch's NOL is empty (everything is OL), so only the events can tell
-        ("no-drain", {"pipelined: pec:one-ol-one-nol", "pipelined: pec:starts-per-call"}),
-        (
-            "ol-as-nol",
-            {
-                "pipelined: pec:fresh-lookups",
-                "sequential vs pipelined: loss",
-                "sequential vs pipelined: grad_norm",
-                "sequential vs pipelined, final weights",
-            },
-        ),
-    ],
-)
-def test_each_planted_pec_fault_exits_1_naming_the_checks_that_catch_it(
-    run_harness, tmp_path: Path, fault: str, caught_by: set[str]
-) -> None:
-    out = tmp_path / fault
-    args = ("--steps", 5, "--golden", "off", "--set", f"arms.pipelined.pec_fault={fault}", "--out", out)
-    run = run_harness("run", "pec", "--ranks", 2, *args)
+# Each planted PEC fault in a pipelined arm of its own, and exactly the checks that catch it there
+# ({arm}: that arm).
+PEC_FAULTS = {
+    # NOL applied two batches late: a wrong hand-off, rows read stale, and the numbers part
+    "nol-two-late": {
+        "{arm}: pec:nol-handoff",
+        "{arm}: pec:fresh-lookups",
+        "{arm}: pec:starts-per-call",
+        "sequential vs {arm}: loss",
+        "sequential vs {arm}: grad_norm",
+        "sequential vs {arm}, final weights",
+    },
+    "ol-before-backward": {"{arm}: pec:ol-window"},
+    # the last batch's NOL is empty (everything is OL), so only the events can tell
+    "no-drain": {"{arm}: pec:one-ol-one-nol", "{arm}: pec:starts-per-call"},
+    "ol-as-nol": {
+        "{arm}: pec:fresh-lookups",
+        "sequential vs {arm}: loss",
+        "sequential vs {arm}: grad_norm",
+        "sequential vs {arm}, final weights",
+    },
+}
+
+
+def _pec_with_faulty_pipelined_arms() -> str:
+    """The pec suite (5 steps) with its pipelined arm once per planted fault, each compared with the
+    sequential arm as pec compares its pipelined arm; the chunked pair as in pec."""
+    text = (Path(__file__).resolve().parents[2] / "suites" / "pec.toml").read_text()
+    head = "".join(
+        line for line in text[: text.index("[arms.sequential]")].splitlines(True) if not line.startswith("#")
+    )
+    head = head.replace('name = "pec"', 'name = "pec-faults"').replace("steps = 20", "steps = 5")
+    head = re.sub(r'description = ".*"', 'description = "pec, its pipelined arm once per planted fault"', head)
+    arms = '[arms.sequential]\npec = "sequential"\n\n'
+    arms += "".join(f'[arms.pipelined-{fault}]\npec = "pipelined"\npec_fault = "{fault}"\n\n' for fault in PEC_FAULTS)
+    arms += '[arms.chunked-sequential]\npec = "sequential"\nchunking = "eager"\nchunks = 2\n\n'
+    arms += '[arms.chunked-pipelined]\npec = "pipelined"\nchunking = "eager"\nchunks = 2\n\n'
+    checks = ""
+    for pair in [
+        *(("sequential", f"pipelined-{fault}") for fault in PEC_FAULTS),
+        ("chunked-sequential", "chunked-pipelined"),
+    ]:
+        arms_list = f'arms = ["{pair[0]}", "{pair[1]}"]\n'
+        checks += f'[[checks]]\nkind = "exact"\n{arms_list}metrics = ["loss", "grad_norm"]\n\n'
+        checks += f'[[checks]]\nkind = "final-weights"\n{arms_list}\n'
+    every = ["pec-invariants", "token-exchange-invariants", "ranks-agree", "routing-counts"]
+    return head + arms + checks + "".join(f'[[checks]]\nkind = "{kind}"\n\n' for kind in every)
+
+
+def _of_arm(arm: str, names: set[str]) -> set[str]:
+    """The checks among ``names`` that judge ``arm``: its own, and its comparisons with another arm."""
+    return {
+        n for n in names if n.startswith(f"{arm}: ") or f" vs {arm}: " in n or n.endswith(f" vs {arm}, final weights")
+    }
+
+
+@pytest.fixture(scope="module")
+def pec_faults(module_run_harness, tmp_path_factory: pytest.TempPathFactory) -> tuple:
+    """One 2-rank run of every planted PEC fault, each in its own arm; the run and its directory."""
+    folder = tmp_path_factory.mktemp("pec-faults")
+    suite = folder / "pec-faults.toml"
+    suite.write_text(_pec_with_faulty_pipelined_arms())
+    out = folder / "run"
+    return module_run_harness("run", suite, "--ranks", 2, "--golden", "off", "--out", out, timeout=400), out
+
+
+@pytest.mark.parametrize("fault", list(PEC_FAULTS))
+def test_each_planted_pec_fault_exits_1_naming_the_checks_that_catch_it(pec_faults: tuple, fault: str) -> None:
+    run, out = pec_faults
     assert run.returncode == 1, run.stdout + run.stderr
-    assert _failing(run, out) == caught_by
+    failing = _failing(run, out)
+    caught_by = {name.format(arm=f"pipelined-{fault}") for name in PEC_FAULTS[fault]}
+    assert _of_arm(f"pipelined-{fault}", failing) == caught_by
     assert all(f"FAIL  {name}" in run.stdout for name in caught_by), run.stdout
+    # Nothing else fails: not the clean arms, run in the same processes, nor any check of two arms.
+    assert failing == set().union(*(_of_arm(f"pipelined-{other}", failing) for other in PEC_FAULTS))
 
 
 def test_legacy_order_fails_as_expected_on_the_autograd_invariant_only(run_harness, tmp_path: Path) -> None:

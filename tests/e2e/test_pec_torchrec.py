@@ -100,8 +100,8 @@ def test_torchrec_backward_starting_the_ol_all_to_all_fails_the_autograd_invaria
     )
 
 
-def test_without_torchrec_the_suite_is_refused_with_the_install_line(run_harness, tmp_path: Path) -> None:
-    assert refused_without(run_harness, tmp_path, "torchrec", "pec-torchrec") == (
+def test_without_torchrec_the_suite_is_refused_with_the_install_line(harness_main, tmp_path: Path) -> None:
+    assert refused_without(harness_main, tmp_path, "torchrec", "pec-torchrec") == (
         "error: suites/pec-torchrec.toml: arms.adagrad.oracle: needs torchrec, which is not installed:"
         " tools/install-torchrec\n"
     )

@@ -130,8 +130,8 @@ def test_bad_arms_are_refused_naming_the_field(tmp_path: Path, old: str, new: st
     assert message.startswith(expected), message
 
 
-def test_without_torchtitan_the_subject_is_refused_with_the_install_line(run_harness, tmp_path: Path) -> None:
-    assert refused_without(run_harness, tmp_path, "torchtitan", "torchtitan-determinism") == (
+def test_without_torchtitan_the_subject_is_refused_with_the_install_line(harness_main, tmp_path: Path) -> None:
+    assert refused_without(harness_main, tmp_path, "torchtitan", "torchtitan-determinism") == (
         "error: suites/torchtitan-determinism.toml: subject: needs torchtitan, which is not installed:"
         " pip install -c constraints.txt 'harness[torchtitan]'\n"
     )
