@@ -24,6 +24,7 @@ import platform
 import re
 import subprocess
 import sys
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -249,6 +250,23 @@ def split_env_key(key: str) -> EnvKey:
     if not match:
         raise ValueError(f"{key!r} is not <device class>-<{'|'.join(BACKENDS)}>-<dtype>-torch<major.minor>")
     return EnvKey(*match.groups())
+
+
+def comparable_env_keys(key: str, recorded: Iterable[str]) -> list[str]:
+    """The env keys among ``recorded`` whose golden a run keyed ``key`` may compare with at the
+    cross-environment tier: same device family (cpu, cuda), backend and dtype. Best first: same
+    torch, then pinned. Strings that are no env key are passed over."""
+    mine = split_env_key(key)
+    found = []
+    for other in recorded:
+        try:
+            parts = split_env_key(other)
+        except ValueError:
+            continue
+        family = parts.device.split("-")[0] == mine.device.split("-")[0]
+        if other != key and family and (parts.backend, parts.dtype) == (mine.backend, mine.dtype):
+            found.append((parts.torch != mine.torch, "-pinned-" not in other, other))
+    return [other for *_, other in sorted(found)]
 
 
 def run_env_key(device: str, dtype: str, pin: CpuPin | None = None) -> str:

@@ -21,7 +21,7 @@ import numpy as np
 import pandas as pd
 
 from harness.compare import Exact, compare_series, format_steps, tier_from_spec
-from harness.environment import FINGERPRINT_KEYS, split_env_key
+from harness.environment import FINGERPRINT_KEYS
 from harness.files import remove_stale_temps, write_json_atomic
 from harness.shipped import SOURCE_ROOT, in_checkout
 
@@ -301,22 +301,6 @@ def config_differences(golden: dict, run: dict) -> list[str]:
         for key in sorted(mine.keys() | theirs.keys())
         if mine.get(key, _MISSING) != theirs.get(key, _MISSING)
     ]
-
-
-def comparable_goldens(suite_dir: Path, key: str) -> list[Path]:
-    """Goldens of other environments a run keyed ``key`` may compare with at the cross-environment
-    tier: same device family (cpu, cuda), backend and dtype. Best first: same torch, then pinned."""
-    mine = split_env_key(key)
-    found = []
-    for path in sorted(suite_dir.glob("*.json")):
-        try:
-            other = split_env_key(path.stem)
-        except ValueError:
-            continue
-        family = other.device.split("-")[0] == mine.device.split("-")[0]
-        if path.stem != key and family and (other.backend, other.dtype) == (mine.backend, mine.dtype):
-            found.append(path)
-    return sorted(found, key=lambda p: (split_env_key(p.stem).torch != mine.torch, "-pinned-" not in p.stem, p.stem))
 
 
 def shown_path(path: Path, root: Path) -> str:

@@ -14,10 +14,10 @@ from typing import TYPE_CHECKING
 import pandas as pd
 
 from harness.compare import tier_from_spec
+from harness.environment import comparable_env_keys
 from harness.golden import (
     Golden,
     GoldenError,
-    comparable_goldens,
     config_differences,
     diff_summary,
     golden_from_metrics,
@@ -42,7 +42,7 @@ class GoldenPlan:
 
     mode: str  # check | update | off
     path: Path  # this environment's golden: what update writes
-    golden: Golden | None = None  # what check compares with, or what update replaces
+    golden: Golden | None = None  # what check compares with
     tier: dict | None = None  # check's tier: the golden's own, or the cross-environment tier
     note: str | None = None  # one console line before the run: what will be compared and how, or why nothing is
     root: Path | None = None  # the golden root (--golden-dir) the paths are shown against
@@ -150,12 +150,16 @@ def update_golden(plan: GoldenPlan, suite: SuiteSpec, manifest: Manifest, metric
         "date": manifest.created,
     }
     config = golden_config(suite)
+    try:  # read now, not when planned: the file this write replaces, whoever wrote it meanwhile
+        old, note = (load_golden_for(plan.path, suite.name) if plan.path.is_file() else None), None
+    except GoldenError as e:
+        old, note = None, f"replacing an unreadable golden: {e}"
     new = golden_from_metrics(
         suite.name, manifest.env_key, provenance, config, suite.golden_tier, metrics, suite.golden_metrics
     )
-    diff = diff_summary(plan.golden, new)
+    diff = diff_summary(old, new)
     write_golden(plan.path, new)
-    return "\n".join(filter(None, [plan.note, diff, f"wrote {plan.shown(plan.path)}"]))
+    return "\n".join(filter(None, [note, diff, f"wrote {plan.shown(plan.path)}"]))
 
 
 # Options a run takes that ``harness golden update`` does not (what a run does with its golden,
@@ -220,14 +224,11 @@ def plan_golden(
     if requested in ("off", "none"):
         return plan("off", note="golden: not compared (--golden off)" if requested == "off" else None)
     if requested == "update":
-        try:
-            existing = load_golden_for(path, suite) if path.is_file() else None
-        except GoldenError as e:
-            return plan("update", note=f"replacing an unreadable golden: {e}")
-        return plan("update", existing)
-    source = path if not missing else next(iter(comparable_goldens(golden_dir / suite, key)), None)
+        return plan("update")
+    recorded = sorted(p.stem for p in (golden_dir / suite).glob("*.json"))
+    comparable = [golden_dir / suite / f"{other}.json" for other in comparable_env_keys(key, recorded)]
+    source = path if not missing else next(iter(comparable), None)
     if source is None:
-        recorded = sorted(p.stem for p in (golden_dir / suite).glob("*.json"))
         found = f"recorded: {', '.join(recorded)}; none comparable" if recorded else "none recorded for this suite"
         reason = f"no golden for env key {key} in {shown(golden_dir / suite)} ({found})"
         if requested == "check":

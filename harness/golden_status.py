@@ -19,8 +19,8 @@ from pathlib import Path
 
 import torch
 
-from harness.environment import CpuPin, backend_for, device_class, env_key, split_env_key
-from harness.golden import GoldenError, comparable_goldens, load_golden_for, loose_lead, shown_path
+from harness.environment import CpuPin, backend_for, comparable_env_keys, device_class, env_key, split_env_key
+from harness.golden import GoldenError, load_golden_for, loose_lead, shown_path
 from harness.suites import list_suites, load_suite
 
 TABLE_BEGIN, TABLE_END = "<!-- golden-table:begin -->", "<!-- golden-table:end -->"
@@ -76,9 +76,9 @@ def status_lines(inventory: Inventory, pin: CpuPin) -> list[str]:
             if key in inventory.recorded[suite]:
                 lines.append(f"ok       {suite:<{width}}  {shown_path(path, inventory.root)}")
                 continue
-            other = next(iter(comparable_goldens(inventory.root / suite, key)), None)
+            other = next(iter(comparable_env_keys(key, inventory.recorded[suite])), None)
             none = f"this environment's golden ({key}) is missing, and none is comparable: a run compares with none"
-            instead = loose_lead(key, other.stem, "a run compares") if other else none
+            instead = loose_lead(key, other, "a run compares") if other else none
             lines.append(f"missing  {suite:<{width}}  {instead}")
     return lines
 

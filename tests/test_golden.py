@@ -9,10 +9,9 @@ import pytest
 
 from harness.checks.golden import compare_to_golden, golden_checks
 from harness.compare import Close, Exact
-from harness.environment import env_key
+from harness.environment import comparable_env_keys, env_key
 from harness.golden import (
     GoldenError,
-    comparable_goldens,
     config_differences,
     diff_summary,
     fingerprint_changes,
@@ -21,7 +20,8 @@ from harness.golden import (
     shown_path,
     write_golden,
 )
-from harness.golden_plan import GoldenPlan, plan_golden, rebless_command
+from harness.golden_plan import GoldenPlan, golden_config, plan_golden, rebless_command, update_golden
+from harness.manifest import Manifest
 from harness.shipped import SOURCE_ROOT
 from harness.suites import load_suite
 
@@ -340,12 +340,40 @@ def test_golden_of_another_environment_is_checked_at_the_cross_env_tier(tmp_path
     assert [r.name for r in failed] == ["golden:eager:loss"] and failed[0].first_divergent_step == 3
 
 
-def test_comparable_goldens_prefer_same_torch_then_pinned(tmp_path):
+def test_comparable_env_keys_prefer_same_torch_then_pinned(tmp_path):
     for key in ("cpu-native-avx2-gloo-float32-torch2.12", NATIVE, "cpu-pinned-avx2-gloo-float32-torch2.12",
                 "cpu-native-avx2-gloo-bfloat16-torch2.13", "cpu-native-avx2-nccl-float32-torch2.13"):  # fmt: skip
         _record(tmp_path, key)
-    found = [p.stem for p in comparable_goldens(tmp_path / "parity", "cpu-pinned-avx2-gloo-float32-torch2.13")]
+    recorded = [p.stem for p in (tmp_path / "parity").iterdir()]
+    found = comparable_env_keys("cpu-pinned-avx2-gloo-float32-torch2.13", recorded)
     assert found == [NATIVE, "cpu-pinned-avx2-gloo-float32-torch2.12", "cpu-native-avx2-gloo-float32-torch2.12"]
+
+
+def test_an_update_diffs_against_the_golden_it_replaces_as_read_when_it_writes(tmp_path):
+    """The golden an update replaces is read when the update writes, not when the run was planned
+    (``harness collect`` plans nothing): the diff is against the file being replaced, one written
+    meanwhile included, and an unreadable one is said, then replaced."""
+    suite = load_suite("parity")
+    plan = plan_golden(suite.name, golden_config(suite), PINNED, "update", tmp_path, CROSS_ENV)
+    manifest = Manifest(
+        command=["harness", "golden", "update", "parity"], created="2026-01-01T00:00:00Z", suite=suite.to_dict(),
+        versions={"torch": "2.13.0+cpu", "harness": "0.1.0", "git_sha": "abc123"}, device="cpu",
+        device_class="cpu-pinned-avx2", cpu_isa=None, backend="gloo", ranks=2, seed=[0], env_key=PINNED,
+        golden_config=golden_config(suite), launches=[], golden=plan.record(), timeout_s=60.0, trace_cache=None,
+    )  # fmt: skip
+    metrics = {arm: frame() for arm in suite.arms}
+    plan.path.parent.mkdir(parents=True)
+    plan.path.write_text("{not json")
+    news = update_golden(plan, suite, manifest, metrics).splitlines()
+    assert news[0].startswith(f"replacing an unreadable golden: {plan.path}: ")
+    assert news[1] == f"golden parity/{PINNED}: new file" and news[-1] == f"wrote parity/{PINNED}.json"
+    moved = {arm: frame() for arm in suite.arms}
+    moved["eager"].loc[3, "loss"] += 1e-9
+    news = update_golden(plan, suite, manifest, moved).splitlines()
+    assert news[0] == f"golden parity/{PINNED}: update"
+    assert "  eager/loss: changed: first divergence at step 3:" in "\n".join(news)
+    assert "  graph/loss: unchanged (5 steps)" in news
+    assert load_golden(plan.path).arms["eager"]["loss"].equals(moved["eager"]["loss"])
 
 
 def test_no_golden_is_an_error_under_check_and_a_stated_skip_under_auto(tmp_path):
