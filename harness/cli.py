@@ -34,7 +34,7 @@ from harness.golden_status import golden_inventory, golden_table, status_lines, 
 from harness.launchers.slurm.profile import load_profile
 from harness.loading import LoadTimeout, load_within
 from harness.outputs import rerender
-from harness.prepare import GOLDEN_DIR, RunOptions, UsageError, trace_cache_dir
+from harness.prepare import RunOptions, UsageError, default_golden_dir, trace_cache_dir
 from harness.run import run_suite
 from harness.rundir import RunDirError
 from harness.shipped import inside_package
@@ -99,7 +99,7 @@ def _add_golden_dir_argument(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--golden-dir",
         type=Path,
-        default=GOLDEN_DIR,
+        default=default_golden_dir(),
         metavar="DIR",
         help="golden root (default: the shipped goldens, or $HARNESS_GOLDEN_DIR)",
     )
@@ -324,8 +324,8 @@ def _run(args: argparse.Namespace, argv: list[str], golden: str) -> int:
         }
         profile = load_profile(args.profile, flags)
         source = {"suite": str(suite.path.resolve()), "overrides": _overrides(args)}
-        return submit_suite(suite, options, profile, args.nodes, source, wait=not args.no_wait)
-    return run_suite(suite, options)
+        return submit_suite(suite, options, profile, args.nodes, source, not args.no_wait, sys.stdout, sys.stderr)
+    return run_suite(suite, options, sys.stdout, sys.stderr)  # the streams as they are now, not at import
 
 
 def _flag_value(text: str) -> int | str:
@@ -440,16 +440,17 @@ def _command(args: argparse.Namespace, argv: list[str]) -> int:
     if args.command in ("run", "submit"):
         return _run(args, argv, args.golden)
     if args.command == "collect":
-        return collect_run(args.run_dir, RunOptions(timeout_s=_timeout(args), verbose=args.verbose))
+        options = RunOptions(timeout_s=_timeout(args), verbose=args.verbose)
+        return collect_run(args.run_dir, options, sys.stdout, sys.stderr)
     if args.command == "golden":
         return _golden(args, argv)
     if args.command == "abba":
         return _run(args, argv, "off")
     if args.command == "ci":
         suites = [_load(args, name) for name in args.suite]
-        return run_gate(suites, _run_options(args, argv, args.golden), args.retries)
+        return run_gate(suites, _run_options(args, argv, args.golden), args.retries, sys.stdout, sys.stderr)
     if args.command == "report":
-        return rerender(args.run_dir)
+        return rerender(args.run_dir, sys.stdout)
     for key, value in describe_environment(args.golden_dir).items():
         print(f"{key:<14} {value}")
     if args.device == "cuda" or args.step:

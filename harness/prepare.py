@@ -12,7 +12,7 @@ import logging
 import os
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import TextIO
@@ -33,9 +33,13 @@ from harness.specs import CheckSpec, SuiteSpec
 from harness.subject import Subject, subject_of, usable_trace_cache
 
 TRACE_ENV = "HARNESS_TRACE_CACHE"
-# The shipped goldens; HARNESS_GOLDEN_DIR moves the default golden root (a CI cache, a test's empty directory).
-GOLDEN_DIR = Path(os.environ.get("HARNESS_GOLDEN_DIR", shipped_dir("golden")))
 log = logging.getLogger("harness")
+
+
+def default_golden_dir() -> Path:
+    """The shipped goldens, or $HARNESS_GOLDEN_DIR (a CI cache, a test's empty directory) as it is
+    when a command starts, not when this module was imported."""
+    return Path(os.environ.get("HARNESS_GOLDEN_DIR", shipped_dir("golden")))
 
 
 class UsageError(Exception):
@@ -50,7 +54,7 @@ class RunOptions:
     out: Path | None = None
     timeout_s: float = 600.0
     golden: str = "auto"  # auto: check when a golden applies to this environment
-    golden_dir: Path = GOLDEN_DIR
+    golden_dir: Path = field(default_factory=default_golden_dir)
     cpu_isa: str = "avx2"  # avx2: the portable kernel pin (environment.py); native: opt out
     command: tuple[str, ...] = ()
     verbose: bool = False  # plain per-step lines on a terminal too, in place of the live display

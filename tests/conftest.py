@@ -6,12 +6,15 @@ from __future__ import annotations
 
 import fcntl
 import json
+import math
 import os
 import pty
 import select
+import signal
 import struct
 import subprocess
 import sys
+import tempfile
 import termios
 import time
 from collections.abc import Callable, Iterator
@@ -21,7 +24,7 @@ from pathlib import Path
 import jsonschema
 import pytest
 
-from harness.cli import main as cli_main  # here, at collection: see harness_main
+from harness.cli import main as cli_main
 from harness.records import read_jsonl
 
 REPO = Path(__file__).resolve().parent.parent
@@ -137,12 +140,44 @@ def _run_cli(args: tuple, timeout: float, env: dict[str, object]) -> CliRun:
     return CliRun(proc.returncode, proc.stdout, proc.stderr, time.monotonic() - start)
 
 
-@pytest.fixture
-def run_harness() -> Callable[..., CliRun]:
-    """``run_harness("run", "determinism", "--steps", 3)``: the real CLI, waited for."""
+def _in_process(
+    args: tuple, env: dict[str, object], capture: pytest.CaptureFixture[str], patch: pytest.MonkeyPatch, timeout: float
+) -> CliRun:
+    """``harness.cli.main(args)`` in this process, from the repository, with ``env`` set for the call;
+    its exit code and what it and its ranks printed (``capture`` is fd-level for runs). The modules
+    it imported from a test's temporary folder (a subject) are forgotten after it, as a fresh process
+    would never have seen them; a run past ``timeout`` ends this process (SIGALRM), never the session."""
+    with patch.context() as patched:
+        patched.chdir(REPO)
+        for name, value in env.items():
+            patched.setenv(name, str(value))
+        before, temporary = set(sys.modules), Path(tempfile.gettempdir()).resolve()
+        capture.readouterr()
+        start = time.monotonic()
+        signal.alarm(math.ceil(timeout))
+        try:
+            code = cli_main([str(arg) for arg in args])
+        finally:
+            signal.alarm(0)
+            printed = capture.readouterr()
+            for name in set(sys.modules) - before:
+                if temporary in Path(getattr(sys.modules[name], "__file__", None) or "/").resolve().parents:
+                    del sys.modules[name]
+    return CliRun(code, printed.out, printed.err, time.monotonic() - start)
 
-    def run(*args: object, timeout: float = 240, env: dict[str, object] | None = None) -> CliRun:
-        return _run_cli(args, timeout, env or {})
+
+@pytest.fixture
+def run_harness(capfd: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> Callable[..., CliRun]:
+    """``run_harness("run", "determinism", "--steps", 3)``: the real CLI, waited for; its ranks are
+    real processes. The command itself runs in this process (``harness.cli.main``), whose imports the
+    session has paid for already: a fresh interpreter would spend some 3 s of a core on them per run.
+    It runs in one where it must: ``env`` plants code in every process at start-up (``PYTHONPATH``,
+    the ``plant`` fixture), the harness's own included; or the test asks (``process=True``)."""
+
+    def run(*args: object, timeout: float = 240, env: dict[str, object] | None = None, process: bool = False) -> CliRun:
+        if process or "PYTHONPATH" in (env or {}):
+            return _run_cli(args, timeout, env or {})
+        return _in_process(args, env or {}, capfd, monkeypatch, timeout)
 
     return run
 
@@ -167,23 +202,13 @@ def module_run_harness(tmp_path_factory: pytest.TempPathFactory, session_dir: Pa
 
 
 @pytest.fixture
-def harness_main(capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> Callable[..., CliRun]:
-    """``harness_main("abba", "parity", "--blocks", 1)``: the harness command in this process
-    (``harness.cli.main``), from the repository as ``run_harness`` runs it, with ``env`` set for the
-    call; its exit code and what it printed. For commands refused before anything launches: a
-    subprocess would only add the start-up of torch to each. harness.cli is imported with conftest:
-    the streams its functions take by default are then the session's, never a finished test's."""
+def harness_main(capfd: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> Callable[..., CliRun]:
+    """``harness_main("abba", "parity", "--blocks", 1)``: the harness command in this process, as
+    ``run_harness`` runs it, for commands refused before anything launches, which so stay in the
+    fast tier (it starts no process, so marks no test ``e2e``)."""
 
     def run(*args: object, env: dict[str, object] | None = None) -> CliRun:
-        with monkeypatch.context() as patch:
-            patch.chdir(REPO)
-            for name, value in (env or {}).items():
-                patch.setenv(name, str(value))
-            capsys.readouterr()
-            start = time.monotonic()
-            code = cli_main([str(arg) for arg in args])
-            printed = capsys.readouterr()
-        return CliRun(code, printed.out, printed.err, time.monotonic() - start)
+        return _in_process(args, env or {}, capfd, monkeypatch, timeout=240)
 
     return run
 
