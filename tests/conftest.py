@@ -171,11 +171,11 @@ def run_harness(capfd: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPat
     """``run_harness("run", "determinism", "--steps", 3)``: the real CLI, waited for; its ranks are
     real processes. The command itself runs in this process (``harness.cli.main``), whose imports the
     session has paid for already: a fresh interpreter would spend some 3 s of a core on them per run.
-    It runs in one where it must: ``env`` plants code in every process at start-up (``PYTHONPATH``,
-    the ``plant`` fixture), the harness's own included; or the test asks (``process=True``)."""
+    ``process=True`` runs it in one, for what only a process shows: a bug planted in the harness
+    itself (``plant``), or how the process ends."""
 
     def run(*args: object, timeout: float = 240, env: dict[str, object] | None = None, process: bool = False) -> CliRun:
-        if process or "PYTHONPATH" in (env or {}):
+        if process:
             return _run_cli(args, timeout, env or {})
         return _in_process(args, env or {}, capfd, monkeypatch, timeout)
 
@@ -215,10 +215,12 @@ def harness_main(capfd: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPa
 
 @pytest.fixture
 def plant(tmp_path: Path) -> Callable[[str], dict[str, object]]:
-    """``plant(code)``: the environment in which every process of a run (the ranks included) runs
-    ``code`` at start-up, as a sitecustomize, with the repository importable so it can patch the
-    reference: a bug planted where a change would put it. The trace cache is off: a patch made at
-    run time leaves the reference's files, and so the cache key, as they were."""
+    """``plant(code)``: the environment in which every process a run starts (its ranks) runs ``code`` at
+    start-up, as a sitecustomize, with the repository importable so it can patch the reference: a bug
+    planted where a change would put it. The harness's own process runs it too where it is one of its
+    own (``run_harness(..., process=True)``, ``start_harness``): a bug planted in the harness. The
+    trace cache is off: a patch made at run time leaves the reference's files, and so the cache key,
+    as they were."""
 
     def environment(code: str) -> dict[str, object]:
         site = tmp_path / "planted"

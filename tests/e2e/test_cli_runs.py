@@ -393,7 +393,8 @@ def test_error_inside_the_harness_is_exit_3_with_one_line_and_a_logged_traceback
     run_harness, plant, tmp_path: Path
 ) -> None:
     out = tmp_path / "run"
-    run = run_harness("run", "determinism", "--ranks", 1, "--steps", 1, "--out", out, env=plant(HARNESS_BUG))
+    planted = plant(HARNESS_BUG)
+    run = run_harness("run", "determinism", "--ranks", 1, "--steps", 1, "--out", out, env=planted, process=True)
     assert run.returncode == 3, run.stdout + run.stderr
     summary = run.summary(out)
     assert summary["verdict"] == "error" and summary["checks"][0]["kind"] == "internal-error"
@@ -405,7 +406,7 @@ def test_error_inside_the_harness_is_exit_3_with_one_line_and_a_logged_traceback
 def test_error_before_the_run_directory_exists_names_its_traceback_file(run_harness, plant) -> None:
     bug = "import harness.suites\n\ndef broken(*args, **kwargs):\n    raise KeyError('model')\n\n"
     bug += "harness.suites.load_suite = broken\n"
-    run = run_harness("run", "determinism", env=plant(bug))
+    run = run_harness("run", "determinism", env=plant(bug), process=True)
     assert run.returncode == 3 and len(run.stderr.splitlines()) == 1, run.stderr
     assert run.stderr.startswith("error: internal error: KeyError: 'model' (traceback: ")
     log = Path(run.stderr.rstrip().removesuffix(")").rsplit("traceback: ", 1)[1])
