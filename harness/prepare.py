@@ -61,6 +61,9 @@ class RunOptions:
     trace_cache: Path | None = None  # where traced arms keep their graphs (reference/chunking/trace_cache.py)
     first_op: str = "off"  # auto | on | off: locate the first op where two arms part (harness/first_op.py)
     first_op_budget_s: float = 300.0  # the re-run's time limit; auto starts it only if it should fit
+    # Where the run's timeline starts: the program's start, its imports included (harness.IMPORTED_AT),
+    # or when a process that imported harness long before called the command.
+    started_at: float = harness.IMPORTED_AT
 
 
 def trace_cache_dir(flag: str | None) -> Path | None:
@@ -165,7 +168,7 @@ def prepare_run(
             print(line, file=out)
             log.info(line)
     phases = PhaseLog()
-    phases.add("start", harness.IMPORTED_AT, began)  # the interpreter's imports, the command line, the suite
+    phases.add("start", options.started_at, began)  # the interpreter's imports, the command line, the suite
     phases.add("prepare", began, time.time())
     return PreparedRun(
         run_dir, suite, options, key, pin, golden, rebless, groups, manifest, phases, subject, kind, checks, env
@@ -199,7 +202,7 @@ def read_prepared(run_dir: Path, suite: SuiteSpec, options: RunOptions) -> Prepa
     pin = CpuPin(**manifest.cpu_isa) if manifest.cpu_isa else None
     options = dataclasses.replace(options, device=manifest.device, command=tuple(manifest.command))
     phases = PhaseLog()
-    phases.add("start", harness.IMPORTED_AT, time.time())
+    phases.add("start", options.started_at, time.time())
     subject, checks = subject_of(suite), kind.checks(plan, groups)
     env = {**(pin.env if pin else {}), **inductor_cache(run_dir)}
     rebless = rebless_command(manifest.command, suite)
