@@ -1,6 +1,6 @@
-"""Fixtures for tests that start real processes (the harness CLI with its ranks, rank processes in a
-real process group, a browser), which mark them ``e2e``; the CLI in the test's own process, for what
-it refuses before launching; the environment every test's runs see; /proc scans."""
+"""Fixtures for tests that start real processes (the harness command with its ranks, rank processes
+in a real process group, a browser), which mark them ``e2e``; the command in the test's own process,
+for what it refuses before launching; the environment every test's runs see; /proc scans."""
 
 from __future__ import annotations
 
@@ -73,11 +73,11 @@ def _command(args: tuple) -> list[str]:
 
 
 # A test that asks for one of these starts real processes (a fixture that asks for one marks the
-# tests that use it): the harness's CLI in a subprocess, rank processes and all (run_harness,
-# module_run_harness, start_harness, run_in_terminal; installed: a wheel's harness in a fresh venv,
-# tests/test_package.py; run_gpu_smoke: a script that runs it), rank processes in a real gloo process
-# group (run_on_ranks, and run_reference: the bundled reference's own CLI), or a headless browser
-# (chromium).
+# tests that use it): the harness command's rank processes, the command itself in this process or in
+# a subprocess (run_harness, module_run_harness, start_harness, run_in_terminal; installed: a wheel's
+# harness in a fresh venv, tests/test_package.py; run_gpu_smoke: a script that runs it), rank
+# processes in a real gloo process group (run_on_ranks, and run_reference: the bundled reference's own
+# CLI), or a headless browser (chromium).
 E2E_FIXTURES = frozenset(
     {"run_harness", "module_run_harness", "start_harness", "run_in_terminal", "installed", "run_gpu_smoke"}
     | {"run_on_ranks", "run_reference", "chromium"}
