@@ -28,6 +28,14 @@ def suite_error(tmp_path: Path, text: str) -> str:
     return str(info.value).replace(str(path), "FILE")
 
 
+def run_suite_text(run_harness: Callable, folder: Path, name: str, text: str) -> tuple:
+    """The suite ``text`` written to ``folder/NAME.toml`` and run once on 2 ranks, golden off, for the
+    tests of a module that each read the one run: the run and its directory."""
+    suite, out = folder / f"{name}.toml", folder / "run"
+    suite.write_text(text)
+    return run_harness("run", suite, "--ranks", 2, "--golden", "off", "--out", out, timeout=400), out
+
+
 def refused_without(harness_main: Callable, tmp_path: Path, module: str, suite: str) -> str:
     """``harness run SUITE`` (in this process: the ``harness_main`` fixture) where ``module`` cannot be
     imported (a None entry in sys.modules): it must be refused with exit 2 before a run directory is

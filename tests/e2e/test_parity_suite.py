@@ -8,6 +8,7 @@ import re
 from pathlib import Path
 
 import pytest
+from suite_files import run_suite_text
 
 
 def failing(run, out: Path) -> set[str]:
@@ -89,10 +90,7 @@ def _parity_with_faulty_graph_arms() -> str:
 def graph_faults(module_run_harness, tmp_path_factory: pytest.TempPathFactory) -> tuple:
     """One 2-rank run of every planted graph bug, each in its own arm; the run and its directory."""
     folder = tmp_path_factory.mktemp("graph-faults")
-    suite = folder / "parity-graph-faults.toml"
-    suite.write_text(_parity_with_faulty_graph_arms())
-    out = folder / "run"
-    return module_run_harness("run", suite, "--ranks", 2, "--golden", "off", "--out", out, timeout=400), out
+    return run_suite_text(module_run_harness, folder, "parity-graph-faults", _parity_with_faulty_graph_arms())
 
 
 @pytest.mark.parametrize("fault", list(GRAPH_FAULTS))

@@ -9,6 +9,7 @@ import re
 from pathlib import Path
 
 import pytest
+from suite_files import run_suite_text
 
 from harness.checks.pec import INVARIANTS
 from harness.records import read_jsonl
@@ -114,10 +115,7 @@ def _of_arm(arm: str, names: set[str]) -> set[str]:
 def pec_faults(module_run_harness, tmp_path_factory: pytest.TempPathFactory) -> tuple:
     """One 2-rank run of every planted PEC fault, each in its own arm; the run and its directory."""
     folder = tmp_path_factory.mktemp("pec-faults")
-    suite = folder / "pec-faults.toml"
-    suite.write_text(_pec_with_faulty_pipelined_arms())
-    out = folder / "run"
-    return module_run_harness("run", suite, "--ranks", 2, "--golden", "off", "--out", out, timeout=400), out
+    return run_suite_text(module_run_harness, folder, "pec-faults", _pec_with_faulty_pipelined_arms())
 
 
 @pytest.mark.parametrize("fault", list(PEC_FAULTS))
