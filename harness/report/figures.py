@@ -11,6 +11,7 @@ from __future__ import annotations
 import base64
 import importlib
 import io
+import sys
 import threading
 from typing import TYPE_CHECKING
 
@@ -26,17 +27,33 @@ _DPI = 100
 _IMPORT_DELAY_S = 1.0
 
 
+_background: list[threading.Timer] = []  # the import started by import_in_background, if any
+
+
 def import_in_background() -> None:
-    """Import matplotlib on a daemon thread, once the ranks are started; a figure drawn meanwhile
-    waits for it (the import lock)."""
+    """Import matplotlib on a daemon thread, once the ranks are started (where it is not imported yet)."""
+    if "matplotlib.figure" in sys.modules:
+        return
     timer = threading.Timer(_IMPORT_DELAY_S, importlib.import_module, args=("matplotlib.figure",))
     timer.daemon = True
+    _background.append(timer)
     timer.start()
+
+
+def _after_background_import() -> None:
+    """Waits out the background import, or cancels it if it has not begun. Two threads importing
+    matplotlib's modules at once (they import each other) can each get the other's half-made module,
+    and a process whose matplotlib was so made fails every figure it draws after."""
+    while _background:
+        timer = _background.pop()
+        timer.cancel()
+        timer.join()
 
 
 def new_figure(width: float, height: float) -> Figure:
     """A figure of ``width`` x ``height`` inches laid out to fit its labels. A plain Figure, no pyplot:
     no global backend or figure state."""
+    _after_background_import()
     from matplotlib.figure import Figure
 
     return Figure(figsize=(width, height), dpi=_DPI, layout="constrained")

@@ -198,3 +198,22 @@ def test_drift_reads_apart_from_a_regression_on_the_console_in_junit_and_in_the_
     html = (tmp_path / "report.html").read_text()
     assert "parity: FAIL [regression] (exit code 1)" in html and line in html
     assert '<span class="label drift">(drift)</span>' in html and '<span class="label regression">' in html
+
+
+def test_a_figure_drawn_while_matplotlib_imports_in_the_background_waits_for_that_import() -> None:
+    """In a fresh interpreter: the background import, cancelled before it began or awaited once it
+    has, never runs beside the import of the first figure (two threads importing matplotlib at once
+    can leave it half made, and every later figure of the process failing)."""
+    code = (
+        "import time\n"
+        "from harness.report import figures\n"
+        "for wait in (0.0, figures._IMPORT_DELAY_S + 0.05):\n"
+        "    figures.import_in_background()\n"
+        "    started = list(figures._background)\n"
+        "    time.sleep(wait)\n"
+        "    figures.new_figure(1, 1)\n"
+        "    print(len(started), [t.is_alive() for t in started], len(figures._background))\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, check=True)
+    # The first pass starts a thread and waits for none; the second finds matplotlib imported.
+    assert done.stdout.splitlines() == ["1 [False] 0", "0 [] 0"]
