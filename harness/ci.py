@@ -36,7 +36,7 @@ import logging
 import sys
 import time
 import xml.etree.ElementTree as ET
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
@@ -49,6 +49,7 @@ from harness.prepare import RunOptions, UsageError, check_device
 from harness.report.checks import verdict_label
 from harness.report.html import write_ci_index
 from harness.report.junit import junit_testsuite, read_testsuites, write_merged_junit
+from harness.revisions import Revision
 from harness.run import run_suite
 from harness.rundir import HARNESS_LOG, JUNIT, REPORT, REPORTS_DIR, SUMMARY, fresh_dir, harness_log
 from harness.specs import SuiteSpec
@@ -142,11 +143,17 @@ def check_gate(suites: list[SuiteSpec], options: RunOptions, retries: int) -> No
 
 
 def run_gate(
-    suites: list[SuiteSpec], options: RunOptions, retries: int, out: TextIO = sys.stdout, err: TextIO = sys.stderr
+    suites: list[SuiteSpec],
+    options: RunOptions,
+    retries: int,
+    out: TextIO = sys.stdout,
+    err: TextIO = sys.stderr,
+    revisions: Mapping[str, dict[str, Revision]] | None = None,
 ) -> int:
     """Runs the suites one after another into ``options.out`` (the gate directory), retrying exit 3
     at most ``retries`` times per suite, and returns the worst exit code. Raises UsageError before
-    running anything when the gate cannot run."""
+    running anything when the gate cannot run. ``revisions``: a change gate's (``--base``), by suite
+    name: each suite's arms at both (harness/change.py)."""
     check_gate(suites, options, retries)
     gate_dir = make_gate_dir(options.out)
     outcomes = [SuiteOutcome(suite.name) for suite in suites]
@@ -157,7 +164,8 @@ def run_gate(
             for suite, outcome in zip(suites, outcomes):
                 for number in range(1, retries + 2):
                     print(f"ci: {suite.name}: attempt {number} of at most {retries + 1}", file=out, flush=True)
-                    attempt = run_attempt(suite, options, gate_dir, number, out, err)
+                    changed = dataclasses.replace(options, revisions=(revisions or {}).get(suite.name, {}))
+                    attempt = run_attempt(suite, changed, gate_dir, number, out, err)
                     outcome.attempts.append(attempt)
                     log.info("%s attempt %d: exit %d (%s)", suite.name, number, attempt.exit_code, attempt.verdict)
                     write_gate(gate_dir, gate, outcomes)

@@ -12,6 +12,7 @@ file the line names when no run directory exists yet.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import gc
 import logging
 import math
@@ -26,6 +27,7 @@ from typing import NoReturn
 
 import harness
 from harness.cancel import Cancelled
+from harness.change import ChangeRequest, prepare_change
 from harness.ci import run_gate
 from harness.environment import CPU_ISAS, cpu_pin, cuda_preflight, describe_environment
 from harness.first_op import MODE_ENV as FIRST_OP_ENV
@@ -37,6 +39,7 @@ from harness.launchers.slurm.profile import load_profile
 from harness.loading import LoadTimeout, load_within
 from harness.outputs import rerender
 from harness.prepare import RunOptions, UsageError, default_golden_dir, trace_cache_dir
+from harness.revisions import RevisionBuildError, RevisionError
 from harness.run import run_suite
 from harness.rundir import RunDirError
 from harness.shipped import inside_package
@@ -97,6 +100,24 @@ def _add_run_arguments(
     )
 
 
+def _add_change_arguments(parser: argparse.ArgumentParser) -> None:
+    """A change check's revisions (harness/change.py)."""
+    parser.add_argument(
+        "--base",
+        metavar="REV",
+        help="judge a change: run every arm at this git revision of the subject's code too, and compare",
+    )
+    parser.add_argument(
+        "--head", metavar="REV", help="with --base: the revision under test (default: the working tree as it is)"
+    )
+    parser.add_argument(
+        "--source",
+        type=Path,
+        metavar="PATH",
+        help="with --base: the git checkout holding the subject's package (default: the one it is imported from)",
+    )
+
+
 def _add_golden_dir_argument(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--golden-dir",
@@ -145,6 +166,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_suites_dir_argument(commands.add_parser("list", help="list the suites"))
     run = commands.add_parser("run", help="run a suite and compare its arms")
     _add_run_arguments(run)
+    _add_change_arguments(run)
     run.add_argument(
         "--golden",
         choices=GOLDEN_MODES,
@@ -193,6 +215,8 @@ def build_parser() -> argparse.ArgumentParser:
         " 4: inconclusive (the interval still straddles the threshold when the blocks or the budget ran out).",
     )
     _add_run_arguments(abba, steps_help="timed steps per block position (default 5)")
+    _add_change_arguments(abba)
+    abba.add_argument("--arm", metavar="ARM", help="with --base: the arm timed at base against itself at head")
     abba.add_argument("--a", metavar="ARM", help="the baseline arm (default: the suite's [throughput] a)")
     abba.add_argument("--b", metavar="ARM", help="the arm under test; may be A itself (a second copy)")
     abba.add_argument(
@@ -217,6 +241,7 @@ def build_parser() -> argparse.ArgumentParser:
         " OUT/junit.xml, and exits with the worst code: a signal (128+N) > 1 > 2 > 3 > 4 > 0.",
     )
     _add_run_arguments(ci, gate=True)
+    _add_change_arguments(ci)
     ci.add_argument("--golden", choices=GOLDEN_MODES, default="auto", help="as for harness run (default auto)")
     ci.add_argument(
         "--retries", type=int, default=1, metavar="N", help="more attempts of a suite that exits 3 (default 1)"
@@ -298,6 +323,8 @@ def _overrides(args: argparse.Namespace) -> list[tuple[str, str]]:
     ]
     if abba and args.control:
         flags.append(("--control", "throughput.control=true"))
+    if abba and args.arm is not None:  # with --base: the arm timed at base against itself at head
+        flags += [("--arm", f'throughput.{role}="{args.arm}"') for role in ("a", "b")]
     return flags + [("--set", item) for item in args.overrides]
 
 
@@ -310,8 +337,10 @@ def _toml(flag: str, value: str) -> str:
 def _run(args: argparse.Namespace, argv: list[str], golden: str) -> int:
     suite = _load(args, args.suite)
     if args.command == "abba" and suite.throughput is None:
-        raise UsageError(f"harness abba: suite {suite.name} has no [throughput] table; name the arms with --a and --b")
+        names = "--arm with --base" if getattr(args, "base", None) else "--a and --b"
+        raise UsageError(f"harness abba: suite {suite.name} has no [throughput] table; name the arms with {names}")
     options = _run_options(args, argv, golden)
+    suite, options = _with_change(args, suite, options)
     spec = suite.throughput
     if spec is not None and spec.adaptive and spec.budget_s >= options.timeout_s:
         raise UsageError(
@@ -328,6 +357,20 @@ def _run(args: argparse.Namespace, argv: list[str], golden: str) -> int:
         source = {"suite": str(suite.path.resolve()), "overrides": _overrides(args)}
         return submit_suite(suite, options, profile, args.nodes, source, not args.no_wait, sys.stdout, sys.stderr)
     return run_suite(suite, options, sys.stdout, sys.stderr)  # the streams as they are now, not at import
+
+
+def _with_change(args: argparse.Namespace, suite: SuiteSpec, options: RunOptions) -> tuple[SuiteSpec, RunOptions]:
+    """The suite and options of a change check (``--base``; harness/change.py), else as they are."""
+    base = getattr(args, "base", None)
+    if base is None:
+        for flag in ("head", "source", "arm"):
+            if getattr(args, flag, None) is not None:
+                raise UsageError(f"--{flag}: only with --base REV (a change check)")
+        return suite, options
+    if options.golden == "update":
+        raise UsageError("--base: a change check records no golden; update it with a plain run at head")
+    changed, revisions = prepare_change(suite, ChangeRequest(base, args.head, args.source))
+    return changed, dataclasses.replace(options, revisions=revisions)
 
 
 def _flag_value(text: str) -> int | str:
@@ -418,13 +461,13 @@ def _main(argv: list[str], started_at: float) -> int:
         args = build_parser().parse_args(argv)
         args.started_at = started_at
         return _command(args, argv)
-    except (SuiteError, UsageError, GoldenError, RunDirError) as e:
+    except (SuiteError, UsageError, GoldenError, RunDirError, RevisionError) as e:
         print(f"error: {e}", file=sys.stderr)
         return EXIT_USAGE
     except SubjectFault as e:  # the subject's own code raised as it was loaded: its bug
         print(f"error: {e}", file=sys.stderr)
         return EXIT_FAIL
-    except LoadTimeout as e:
+    except (LoadTimeout, RevisionBuildError) as e:
         print(f"error: {e}", file=sys.stderr)
         return EXIT_INFRA
     except Cancelled as e:
@@ -455,8 +498,11 @@ def _command(args: argparse.Namespace, argv: list[str]) -> int:
     if args.command == "abba":
         return _run(args, argv, "off")
     if args.command == "ci":
-        suites = [_load(args, name) for name in args.suite]
-        return run_gate(suites, _run_options(args, argv, args.golden), args.retries, sys.stdout, sys.stderr)
+        options = _run_options(args, argv, args.golden)
+        changes = [_with_change(args, _load(args, name), options) for name in args.suite]
+        revisions = {suite.name: changed.revisions for suite, changed in changes}
+        suites = [suite for suite, _ in changes]
+        return run_gate(suites, options, args.retries, sys.stdout, sys.stderr, revisions)
     if args.command == "report":
         return rerender(args.run_dir, sys.stdout)
     for key, value in describe_environment(args.golden_dir).items():

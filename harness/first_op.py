@@ -47,7 +47,7 @@ from harness.subject.protocol import RECORD_OPS
 
 MODES = ("auto", "on", "off")
 MODE_ENV = "HARNESS_FIRST_OP"  # the default of --first-op
-BIT_LEVEL = ("exact", "ulp", "determinism")
+BIT_LEVEL = ("exact", "ulp", "determinism", "change")  # change: a change check, head against base
 # A step recorded op by op takes this many plain steps (DebugMode, a blake2b hash of every output),
 # measured on cpu-tiny (8-25); the budget check (auto) uses it.
 RECORDING_SLOWDOWN = 20.0

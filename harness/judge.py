@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 from harness.cancel import Cancelled
 from harness.checks import run_check
+from harness.checks.change import KIND as CHANGE_KIND
 from harness.environment import CpuPin
 from harness.launchers import LaunchResult
 from harness.launching import Launched
@@ -134,4 +135,11 @@ def collect_checks(
 
 
 def _run(planned: list[CheckSpec], suite: SuiteSpec, records: RunRecords) -> list[CheckResult]:
-    return [result for check in planned for result in run_check(check, suite, records)]
+    """The planned checks; the suite's own and its golden's judge its head arms alone (a change
+    check's base arms are for the ``change`` checks, harness/checks/change.py)."""
+    head = suite.at_head()
+    return [
+        result
+        for check in planned
+        for result in run_check(check, suite if check.kind == CHANGE_KIND else head, records)
+    ]

@@ -45,8 +45,9 @@ def launch_run(run: PreparedRun, launch: GroupLauncher, out: TextIO, err: TextIO
     try:
         with contextlib.closing(kind.progress(run.run_dir, run.groups, out, options.verbose)) as progress:
             deadline = time.monotonic() + options.timeout_s
-            source = run.subject.source
-            context = LaunchContext(run.run_dir, deadline, options.timeout_s, run.env, progress.tick, source)
+            context = LaunchContext(
+                run.run_dir, deadline, options.timeout_s, run.env, progress.tick, run.subject_source
+            )
             for group in run.groups:
                 with run.phases.phase("launch", group=group.name):
                     result = launch(group, context)

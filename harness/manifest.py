@@ -10,12 +10,13 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from dataclasses import dataclass
+from dataclasses import MISSING, dataclass, field
 from pathlib import Path
 from typing import Any
 
 from harness.files import write_json_atomic
 from harness.plan import LaunchGroup
+from harness.revisions import Revision
 from harness.rundir import MANIFEST
 from harness.specs import SuiteSpec
 
@@ -29,8 +30,8 @@ class ManifestError(Exception):
 @dataclass(frozen=True)
 class Manifest:
     """One run's request: the command, the resolved suite, the environment it runs in, its launch
-    groups (harness/plan.py), the golden plan with absolute paths, the
-    time limit and the trace cache the ranks may use."""
+    groups (harness/plan.py), the golden plan with absolute paths, the time limit, the trace cache
+    the ranks may use, and, for a change check, its revisions by label (harness/revisions.py)."""
 
     command: list[str]
     created: str
@@ -49,6 +50,7 @@ class Manifest:
     timeout_s: float
     trace_cache: str | None
     schema_version: int = SCHEMA_VERSION
+    revisions: dict[str, Revision] = field(default_factory=dict)
 
     def spec(self) -> SuiteSpec:
         """The suite, typed again."""
@@ -78,7 +80,8 @@ class Manifest:
         if version != SCHEMA_VERSION:
             raise ManifestError(f"{path}: schema_version {version!r}, this harness reads {SCHEMA_VERSION}")
         fields = {f.name for f in dataclasses.fields(cls)}
-        missing, unknown = sorted(fields - raw.keys()), sorted(raw.keys() - fields)
+        required = {f.name for f in dataclasses.fields(cls) if f.default is MISSING and f.default_factory is MISSING}
+        missing, unknown = sorted(required - raw.keys()), sorted(raw.keys() - fields)
         if missing:
             raise ManifestError(f"{path}: missing {', '.join(missing)}")
         if unknown:
@@ -87,4 +90,8 @@ class Manifest:
             launches = [LaunchGroup.from_dict(g) for g in raw["launches"]]
         except (TypeError, KeyError, AttributeError) as e:
             raise ManifestError(f"{path}: launches: not a list of launch groups: {e}") from None
-        return cls(**{**raw, "launches": launches})
+        try:
+            revisions = {label: Revision.from_dict(r) for label, r in raw.get("revisions", {}).items()}
+        except (TypeError, AttributeError) as e:
+            raise ManifestError(f"{path}: revisions: not revisions by label: {e}") from None
+        return cls(**{**raw, "launches": launches, "revisions": revisions})

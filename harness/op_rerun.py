@@ -72,7 +72,7 @@ class OpRerun:
         groups = [dataclasses.replace(g, record_ops=True, capture_ops=capture) for g in plan_launches(suite)]
         dataclasses.replace(self.run.manifest, suite=suite.to_dict(), launches=groups).write(root)
         run = self.run
-        context = LaunchContext(root, self.deadline, self.budget_s, run.env, subject_source=run.subject.source)
+        context = LaunchContext(root, self.deadline, self.budget_s, run.env, subject_source=run.subject_source)
         for group in groups:
             self._launched(self.launch(group, context), group, name, root)
         return root

@@ -20,6 +20,7 @@ from typing import Any, TextIO
 import pandas as pd
 
 from harness.cancel import Cancelled
+from harness.change import change_line
 from harness.files import write_json_atomic
 from harness.golden import Golden, GoldenError, load_golden
 from harness.golden_plan import update_golden
@@ -62,6 +63,7 @@ class Summary:
     timing: dict[str, Any] | None = None
     label: str | None = None  # a failed run's: drift (re-record the golden) or regression (verdict.py)
     label_line: str | None = None  # the console's last line: the label, and what changed or what failed
+    change: dict[str, Any] | None = None  # a change check's (--base): its line, and its revisions by label
     schema_version: int = SCHEMA_VERSION
 
     def with_check(self, check: CheckResult, verdict: str, exit_code: int) -> Summary:
@@ -93,6 +95,8 @@ def write_outputs(
     metrics = {arm: rec.metrics for arm, rec in records.items() if rec.steps_done()}
     golden = run.golden.golden if run.golden.mode == "check" else None
     summary = finish(run.run_dir, summary, run.manifest, metrics, golden, err, run.phases)
+    if summary.change:
+        print(summary.change["line"], file=out)
     print(format_verdict_table(summary.to_json()), file=out)
     if judgement.golden_news:
         print(judgement.golden_news, file=out)
@@ -144,7 +148,17 @@ def build_summary(run: PreparedRun, launched: Launched, records: RunRecords, jud
         throughput=next((c.extra["throughput"] for c in judged.checks if c.kind == "throughput"), None),
         label=judged.label,
         label_line=judged.label_line,
+        change=_change(run, judged),
     )
+
+
+def _change(run: PreparedRun, judged: Judgement) -> dict[str, Any] | None:
+    """summary.json's ``change``: the line the console and the report open with, and both revisions."""
+    revisions = run.manifest.revisions
+    if not revisions:
+        return None
+    line = change_line(revisions, judged.checks, run.suite)
+    return {"line": line, "revisions": {label: r.to_dict() for label, r in revisions.items()}}
 
 
 def _launch_summary(result: LaunchResult) -> dict:

@@ -40,7 +40,8 @@ class LaunchGroup:
     that stop and resume alike): ``first_step`` to ``last_step`` (None: the suite's last), the
     first ending with a save (``checkpoint = "save"``), the second starting with a load (``"load"``).
     An op-recording re-run's groups (harness/first_op.py) set ``record_ops``: every rank records its
-    ops, and keeps the outputs of the op ``capture_ops`` names for it, as (arm, process rank, op index)."""
+    ops, and keeps the outputs of the op ``capture_ops`` names for it, as (arm, process rank, op index).
+    ``revision``: the side of a change its arms run (harness/change.py), whose package its ranks import."""
 
     name: str
     ranks: int
@@ -52,6 +53,7 @@ class LaunchGroup:
     checkpoint: str | None = None
     record_ops: bool = False
     capture_ops: tuple[tuple[str, int, int], ...] = ()
+    revision: str | None = None
 
     def log(self, rank: int) -> str:
         return f"{self.log_dir}/rank{rank}.log"
@@ -78,27 +80,36 @@ def plan_launches(suite: SuiteSpec) -> list[LaunchGroup]:
     """Groups arms by process count, keeping the suite's arm order; then the resumed arms' saving
     launches, then their loading ones. Resumed arms that save on the same process count after the
     same step share their saving launch, and so for loading: their arms run in turn in it, as in
-    any group, and a launch's start-up (seconds) is paid once."""
-    by_ranks: dict[int, list[str]] = {}
-    saving: dict[tuple[int, int], list[str]] = {}
-    loading: dict[tuple[int, int], list[str]] = {}
+    any group, and a launch's start-up (seconds) is paid once. Arms of a change's two revisions
+    never share a launch: a process imports one revision of the subject."""
+    by_ranks: dict[tuple[str | None, int], list[str]] = {}
+    saving: dict[tuple[str | None, int, int], list[str]] = {}
+    loading: dict[tuple[str | None, int, int], list[str]] = {}
     for arm in suite.arms.values():
         if arm.resume_at is None:
-            by_ranks.setdefault(arm.ranks, []).append(arm.name)
+            by_ranks.setdefault((arm.revision, arm.ranks), []).append(arm.name)
         else:
-            saving.setdefault((arm.ranks, arm.resume_at), []).append(arm.name)
-            loading.setdefault((arm.resume_ranks or arm.ranks, arm.resume_at), []).append(arm.name)
+            saving.setdefault((arm.revision, arm.ranks, arm.resume_at), []).append(arm.name)
+            loading.setdefault((arm.revision, arm.resume_ranks or arm.ranks, arm.resume_at), []).append(arm.name)
     single = len(by_ranks) == 1 and not saving
     groups = [
-        LaunchGroup("+".join(arms), ranks, tuple(arms), LOGS_DIR if single else f"{LOGS_DIR}/{'+'.join(arms)}")
-        for ranks, arms in by_ranks.items()
+        LaunchGroup(
+            "+".join(arms), ranks, tuple(arms), LOGS_DIR if single else f"{LOGS_DIR}/{'+'.join(arms)}", revision=rev
+        )
+        for (rev, ranks), arms in by_ranks.items()
     ]
-    for (ranks, at), arms in saving.items():
+    for (rev, ranks, at), arms in saving.items():
         name = f"{'+'.join(arms)}@1-{at}"
-        groups.append(LaunchGroup(name, ranks, tuple(arms), f"{LOGS_DIR}/{name}", last_step=at, checkpoint="save"))
-    for (ranks, at), arms in loading.items():
+        groups.append(
+            LaunchGroup(name, ranks, tuple(arms), f"{LOGS_DIR}/{name}", last_step=at, checkpoint="save", revision=rev)
+        )
+    for (rev, ranks, at), arms in loading.items():
         name = f"{'+'.join(arms)}@{at + 1}-"
-        groups.append(LaunchGroup(name, ranks, tuple(arms), f"{LOGS_DIR}/{name}", first_step=at + 1, checkpoint="load"))
+        groups.append(
+            LaunchGroup(
+                name, ranks, tuple(arms), f"{LOGS_DIR}/{name}", first_step=at + 1, checkpoint="load", revision=rev
+            )
+        )
     return groups
 
 
@@ -116,15 +127,18 @@ def plan_measurements(spec: ThroughputSpec) -> list[Measurement]:
 
 
 def plan_throughput_launches(suite: SuiteSpec) -> list[LaunchGroup]:
-    """One launch holding every measurement when A and B have one process count; else one each."""
+    """One launch holding every measurement when A and B have one process count and one revision;
+    else one each."""
     spec = suite.throughput
     plan = plan_measurements(spec)
-    ranks = {suite.arms[spec.a].ranks, suite.arms[spec.b].ranks}
-    if len(ranks) == 1:
+    a, b = suite.arms[spec.a], suite.arms[spec.b]
+    ranks = {a.ranks, b.ranks}
+    if len(ranks) == 1 and a.revision == b.revision:
         arms = tuple(dict.fromkeys((spec.a, spec.b)))
-        return [LaunchGroup("+".join(arms), ranks.pop(), arms, LOGS_DIR, tuple(plan))]
+        return [LaunchGroup("+".join(arms), ranks.pop(), arms, LOGS_DIR, tuple(plan), revision=a.revision)]
     groups = []
     for m in plan:
         name = f"{m.series}-b{m.block}p{m.position}-{m.arm}"
-        groups.append(LaunchGroup(name, suite.arms[m.arm].ranks, (m.arm,), f"{LOGS_DIR}/{name}", (m,)))
+        arm = suite.arms[m.arm]
+        groups.append(LaunchGroup(name, arm.ranks, (m.arm,), f"{LOGS_DIR}/{name}", (m,), revision=arm.revision))
     return groups

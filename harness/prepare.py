@@ -27,6 +27,7 @@ from harness.kinds import RunKind, run_kind
 from harness.manifest import Manifest, ManifestError
 from harness.phases import PhaseLog
 from harness.plan import LaunchGroup
+from harness.revisions import Revision
 from harness.rundir import harness_log, inductor_cache, make_run_dir
 from harness.shipped import shipped_dir
 from harness.specs import CheckSpec, SuiteSpec
@@ -64,6 +65,8 @@ class RunOptions:
     # Where the run's timeline starts: the program's start, its imports included (harness.IMPORTED_AT),
     # or when a process that imported harness long before called the command.
     started_at: float = harness.IMPORTED_AT
+    # A change check's revisions of the subject's package, by label (harness/change.py); empty: none.
+    revisions: dict[str, Revision] = field(default_factory=dict)
 
 
 def trace_cache_dir(flag: str | None) -> Path | None:
@@ -111,6 +114,12 @@ class PreparedRun:
     checks: list[CheckSpec]  # what the run is judged by: the suite's and the golden's, or the gate
     env: dict[str, str]  # what every rank's environment gains: the CPU kernel pin, a private Inductor cache
 
+    @property
+    def subject_source(self) -> tuple[Path, ...]:
+        """The subject's code (a rank raising in there is a regression, triage.py): its own, and a
+        change's revisions of its package."""
+        return (*self.subject.source, *(Path(r.root) for r in self.manifest.revisions.values()))
+
 
 def prepare_run(
     suite: SuiteSpec, options: RunOptions, out: TextIO = sys.stdout, local_devices: bool = True
@@ -128,7 +137,7 @@ def prepare_run(
     groups = kind.launches()
     pin = cpu_pin(options.cpu_isa) if options.device == "cpu" else None
     key = run_env_key(options.device, suite.dtype, pin)
-    config, rebless = golden_config(suite), rebless_command(options.command, suite)
+    config, rebless = golden_config(suite.at_head()), rebless_command(options.command, suite)
     golden = plan_golden(
         suite.name,
         config,
@@ -162,6 +171,7 @@ def prepare_run(
             golden=golden.record(),
             timeout_s=options.timeout_s,
             trace_cache=str(trace_cache) if trace_cache else None,
+            revisions=options.revisions,
         )
         manifest.write(run_dir)
         for line in filter(None, [pin.note if pin else None, golden.note, cache_note]):

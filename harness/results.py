@@ -23,6 +23,7 @@ BAD_INPUT = "bad-input"
 NOT_EVALUATED = "not_evaluated"  # CheckResult.extra key: the arm, never run, that left a check unjudged
 DRIFT = "drift"  # CheckResult.label: the environment, not the code, moved the numbers
 REGRESSION = "regression"  # CheckResult.label of any other failure; a rank failure the code under test caused
+CHANGE = "change"  # CheckResult.label: a change check (--base) failed: head moved the numbers against base
 
 
 @dataclass
@@ -39,7 +40,7 @@ class CheckResult:
     max_rel_diff: float | None = None
     extra: dict = field(default_factory=dict)
     arms: list[str] = field(default_factory=list)  # the arms it judges; the report groups checks by them
-    label: str | None = None  # what a failure means: DRIFT or REGRESSION (verdict.py); None unless it failed
+    label: str | None = None  # what a failure means: DRIFT, CHANGE or REGRESSION (verdict.py); None unless it failed
 
     def to_dict(self) -> dict:
         """JSON-ready: numpy scalars become Python ones; floats are kept unrounded."""

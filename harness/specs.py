@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from harness.families import ArmFacts
+from harness.revisions import BASE
 
 
 @dataclass(frozen=True)
@@ -24,7 +25,10 @@ class ArmSpec:
     environment key of its goldens; ``oracle`` names an implementation it trains in lockstep with.
     ``resume_at`` k: the arm trains steps 1..k, saves a checkpoint and ends its processes; a fresh
     launch of ``resume_ranks`` processes (default ``ranks``) loads it and trains k+1 onwards. ``facts``
-    are what the checks know of it beyond its records (the checks read them, never ``train``)."""
+    are what the checks know of it beyond its records (the checks read them, never ``train``).
+    ``revision``: in a change check (harness/change.py), the side of the change whose code the arm
+    runs, ``base`` or ``head`` (its ranks import the subject's package from there); None: the
+    installed code."""
 
     name: str
     ranks: int
@@ -38,6 +42,7 @@ class ArmSpec:
     resume_at: int | None = None
     resume_ranks: int | None = None
     facts: ArmFacts = ArmFacts()
+    revision: str | None = None
 
     def emits(self, family: str) -> bool:
         return family in self.families
@@ -127,6 +132,8 @@ class SuiteSpec:
     expect: str = "pass"  # "fail": a negative suite, which passes when exactly ``expected_failures`` fail
     expected_failures: tuple[str, ...] = ()  # the check results (by name) a negative suite must fail
     subject: str = "reference"  # the system under test (harness/subject/)
+    # The [change] table: the tier at which each arm at head must match itself at base (harness/change.py).
+    change_tier: dict[str, Any] = field(default_factory=lambda: {"kind": "exact"})
 
     @property
     def dtype(self) -> str:
@@ -153,6 +160,7 @@ class SuiteSpec:
             "throughput": dataclasses.asdict(self.throughput) if self.throughput else None,
             "expect": self.expect,
             "expected_failures": list(self.expected_failures),
+            "change_tier": self.change_tier,
         }
 
     @classmethod
@@ -179,4 +187,11 @@ class SuiteSpec:
             expect=raw["expect"],
             expected_failures=tuple(raw["expected_failures"]),
             subject=raw["subject"],
+            change_tier=raw["change_tier"],
         )
+
+    def at_head(self) -> SuiteSpec:
+        """The suite as the user wrote it, without a change check's base arms: what its own checks
+        and its golden judge."""
+        head = {name: arm for name, arm in self.arms.items() if arm.revision != BASE}
+        return self if len(head) == len(self.arms) else dataclasses.replace(self, arms=head)

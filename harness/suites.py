@@ -49,9 +49,9 @@ CROSS_ENV_TIER = {"kind": "close", "rtol": 1e-4, "atol": 0.0}
 
 _TOP_KEYS = (
     "name", "description", "ranks", "steps", "model", "train", "arms", "checks", "golden", "debug", "throughput",
-    "expect", "expected_failures", "subject",
+    "expect", "expected_failures", "subject", "change",
 )  # fmt: skip
-_TABLES = ("model", "train", "golden", "debug", "throughput")
+_TABLES = ("model", "train", "golden", "debug", "throughput", "change")
 
 
 class SuiteError(Exception):
@@ -308,6 +308,7 @@ class _Validator:
         golden_tier, golden_metrics, cross_env = self.golden(raw.get("golden", {}))
         debug = self.debug(raw.get("debug", {}), arms, steps)
         expect, expected_failures = self.expectation(raw, throughput)
+        change_tier = self.change(raw.get("change", {}))
         return SuiteSpec(
             name,
             description,
@@ -324,7 +325,18 @@ class _Validator:
             expect,
             expected_failures,
             raw.get("subject", DEFAULT),
+            change_tier,
         )
+
+    def change(self, raw: Any) -> dict[str, Any]:
+        """[change]: the tier at which each arm at a change's head must match itself at its base
+        (``harness run --base``): exact unless it names ulp, close or band with their bounds."""
+        if not isinstance(raw, dict):
+            raise self.error("change", f"expected a table, got {show(raw)}")
+        for key in ("arms", "name", "metrics"):
+            if key in raw:
+                raise self.error(f"change.{key}", "unknown key (allowed: kind and the tier's fields)")
+        return self.tier({"kind": "exact", **raw}, "change")
 
     def expectation(self, raw: dict, throughput: ThroughputSpec | None) -> tuple[str, tuple[str, ...]]:
         """``expect`` ("pass" or "fail") and, for a negative suite, ``expected_failures``: the names of

@@ -37,6 +37,7 @@ from harness.checks.golden import drift_line
 from harness.records import ArmRecords
 from harness.results import (
     BAD_INPUT,
+    CHANGE,
     DRIFT,
     FAILED_AS_EXPECTED,
     NOT_EVALUATED,
@@ -94,11 +95,15 @@ def labelled(checks: list[CheckResult]) -> list[CheckResult]:
 
 
 def run_label(checks: list[CheckResult], verdict: str) -> str | None:
-    """The label of a failed run (verdict fail): drift when every failure is drift, else regression.
-    None for any other verdict: an error or a cancellation is not judged."""
+    """The label of a failed run (verdict fail): drift when every failure is drift; change when every
+    failure is a change check's (head against base) or drift; else regression. None for any other
+    verdict: an error or a cancellation is not judged."""
     if verdict != "fail":
         return None
-    return DRIFT if all(c.label == DRIFT for c in checks if c.status == "fail") else REGRESSION
+    labels = {c.label for c in checks if c.status == "fail"}
+    if labels == {DRIFT}:
+        return DRIFT
+    return CHANGE if labels <= {DRIFT, CHANGE} else REGRESSION
 
 
 def label_line(checks: list[CheckResult], label: str | None, rebless: str) -> str | None:
@@ -108,11 +113,11 @@ def label_line(checks: list[CheckResult], label: str | None, rebless: str) -> st
         return None
     if label == DRIFT:
         return drift_line(checks, rebless)
-    failed = [c.name for c in checks if c.label == REGRESSION]
+    failed = [c.name for c in checks if c.label == label]
     names = ", ".join(failed[:3]) + (f" and {len(failed) - 3} more" if len(failed) > 3 else "")
     drifted = sum(c.label == DRIFT for c in checks)
     also = f" ({drifted} more failed as drift: see their rows)" if drifted else ""
-    return f"regression: {len(failed)} failed check{'s' if len(failed) != 1 else ''}: {names}{also}"
+    return f"{label}: {len(failed)} failed check{'s' if len(failed) != 1 else ''}: {names}{also}"
 
 
 def cancelled_check(cancelled: Cancelled, elapsed_s: float) -> CheckResult:

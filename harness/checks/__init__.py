@@ -17,11 +17,13 @@
 * :mod:`~harness.checks.pec`: a PEC embedding's gradient all-to-all: who starts it, when, how often,
   and that every lookup sees every earlier update;
 * :mod:`~harness.checks.pec_oracle`: a PEC arm's table against torchrec's own PEC, row by row;
+* :mod:`~harness.checks.change`: each arm at a change's head against itself at its base (``--base``);
 * :mod:`~harness.checks.golden`: the metrics against the environment's golden (every run, unlisted);
 * :mod:`~harness.checks.throughput`: a throughput run's ABBA gate (unlisted).
 """
 
 from harness.checks import (  # noqa: F401  (they register)
+    change,
     exchange,
     fidelity,
     golden,

@@ -49,7 +49,8 @@ def run(check: CheckSpec, suite: SuiteSpec, records: RunRecords) -> list[CheckRe
     plan: GoldenPlan = check.options["plan"]
     if plan.mode == "off":
         return [CheckResult(KIND, KIND, "skip", plan.note or "not compared")]
-    return golden_checks(plan, {arm: rec.metrics for arm, rec in records.items()}, suite.steps, suite.golden_cross_env)
+    metrics = {arm: rec.metrics for arm, rec in records.items() if arm in suite.arms}
+    return golden_checks(plan, metrics, suite.steps, suite.golden_cross_env)
 
 
 def golden_checks(

@@ -1,6 +1,6 @@
 """A rank's entry, ``python -m harness.rank RUN_DIR GROUP``: reads the run's manifest, loads the
-suite's subject, joins the group's process group, runs the group's arms (train.py) or times its
-blocks (throughput.py), and leaves.
+suite's subject (a change's group: from its revision, revision.py), joins the group's process
+group, runs the group's arms (train.py) or times its blocks (throughput.py), and leaves.
 
 It leaves fast either way. A rank that is done exits without the interpreter's teardown of torch,
 which would cost most of a second on every rank before the launcher sees the group end; a rank that
@@ -41,6 +41,7 @@ from harness.phases import PhaseLog
 from harness.plan import LaunchGroup
 from harness.rank.errors import ErrorFileInRoom
 from harness.rank.process import init_process_group, set_up_process
+from harness.rank.revision import use_revision
 from harness.rank.throughput import measure_throughput
 from harness.rank.train import OpRecording, Segment, run_arm
 from harness.records import JsonlWriter
@@ -55,13 +56,15 @@ def main(argv: list[str]) -> None:
     run_dir, group_name = Path(argv[0]), argv[1]
     manifest = Manifest.read(run_dir)
     suite = manifest.spec()
+    group = manifest.launch(group_name)
+    if group.revision is not None:  # a side of a change: its subject package, not the installed one
+        use_revision(manifest.revisions[group.revision])
     # The subject's modules are imports too, loaded before any process group exists.
     subject = subject_of(suite)
     gc.freeze()
     gc.enable()
     entered = time.time()  # the imports (phases.py) end here
     set_up_process()
-    group = manifest.launch(group_name)
     cache_dir = Path(manifest.trace_cache) if manifest.trace_cache else None
     device = manifest.device
     with JsonlWriter(phases_file(run_dir, group_name, int(os.environ["RANK"]))) as phase_file:

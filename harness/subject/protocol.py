@@ -289,7 +289,11 @@ class Subject(Protocol):
     only where declared; ``source`` is its code: a rank that raises with a frame in there is a
     regression (exit 1), anywhere else infrastructure (exit 3). ``train_fields`` names the fields a
     bare ``--set FIELD=VALUE`` may set on ``[train]`` and every arm setting it. :class:`SubjectBase`
-    has every attribute and method but ``parse_arms`` and ``build``."""
+    has every attribute and method but ``parse_arms`` and ``build``.
+
+    Optional: ``package``, the importable package (or module) that is the subject's own code, which a
+    change check (``harness run --base REV``, harness/change.py) takes from each revision; without
+    it, a ``module:factory`` subject's top-level module, and an installed one has no revisions."""
 
     name: str
     families: frozenset[str]
@@ -319,8 +323,8 @@ class Subject(Protocol):
 
 class SubjectBase(ABC):
     """A :class:`Subject` with the defaults: a subclass writes ``parse_arms`` and ``build``. Its name is
-    its class's, its arms record metrics only, it has no optional part, its code is its class's file,
-    and no field may be set by a bare ``--set``."""
+    its class's, its arms record metrics only, it has no optional part, its code is its class's file
+    (its package: that file's top-level module), and no field may be set by a bare ``--set``."""
 
     families: frozenset[str] = frozenset({METRICS})
     capabilities: frozenset[str] = frozenset()
@@ -333,6 +337,10 @@ class SubjectBase(ABC):
     @functools.cached_property
     def source(self) -> tuple[Path, ...]:
         return (Path(inspect.getfile(type(self))).resolve(),)
+
+    @functools.cached_property
+    def package(self) -> str:
+        return type(self).__module__.split(".")[0]
 
     @abstractmethod
     def parse_arms(self, tables: SuiteTables, reader: SuiteReader) -> dict[str, ArmSpec]: ...

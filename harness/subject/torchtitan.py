@@ -223,6 +223,7 @@ class Torchtitan(protocol.SubjectBase):
         }
     )
     train_fields = {f: type(v) for f, v in TitanConfig().__dict__.items()}
+    package = "torchtitan"  # what a change check (--base) takes from each revision
 
     def __init__(self) -> None:
         # A rank that raises in here, in the model builder, or in torchtitan itself is the subject's.

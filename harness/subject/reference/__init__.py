@@ -29,6 +29,7 @@ class ReferenceSubject:
     families = frozenset(protocol.FAMILIES)
     capabilities = frozenset(protocol.CAPABILITIES)
     source = (Path(harness.reference.__file__).resolve().parent,)
+    package = "harness.reference"  # what a change check (--base) takes from each revision
     train_fields = TRAIN_FIELDS
 
     def parse_arms(self, tables: protocol.SuiteTables, reader: protocol.SuiteReader) -> dict[str, ArmSpec]:
