@@ -14,7 +14,6 @@ import signal
 import struct
 import subprocess
 import sys
-import tempfile
 import termios
 import time
 from collections.abc import Callable, Iterator
@@ -119,9 +118,11 @@ def session_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def shared_trace_cache(session_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Runs share one trace cache per test session (all xdist workers), never the user's own: a traced
     arm is traced once per session, and every later run checks the cached graph as it would a fresh one.
-    The key that signs its entries is the session's too (XDG_CONFIG_HOME): no test touches ~/.config."""
+    The key that signs its entries is the session's too (XDG_CONFIG_HOME): no test touches ~/.config;
+    nor ~/.cache, where change checks keep revisions and base records (XDG_CACHE_HOME)."""
     monkeypatch.setenv("HARNESS_TRACE_CACHE", str(session_dir / "trace-cache"))
     monkeypatch.setenv("XDG_CONFIG_HOME", str(session_dir / "config"))
+    monkeypatch.setenv("XDG_CACHE_HOME", str(session_dir / "cache"))
 
 
 @pytest.fixture
@@ -141,17 +142,24 @@ def _run_cli(args: tuple, timeout: float, env: dict[str, object]) -> CliRun:
 
 
 def _in_process(
-    args: tuple, env: dict[str, object], capture: pytest.CaptureFixture[str], patch: pytest.MonkeyPatch, timeout: float
+    args: tuple,
+    env: dict[str, object],
+    capture: pytest.CaptureFixture[str],
+    patch: pytest.MonkeyPatch,
+    timeout: float,
+    tests_tmp: Path,
 ) -> CliRun:
     """``harness.cli.main(args)`` in this process, from the repository, with ``env`` set for the call;
     its exit code and what it and its ranks printed (``capture`` is fd-level for runs). The modules
-    it imported from a test's temporary folder (a subject) are forgotten after it, as a fresh process
-    would never have seen them; a run past ``timeout`` ends this process (SIGALRM), never the session."""
+    it imported from the tests' temporary folders (``tests_tmp``: a subject a test wrote) are forgotten
+    after it, as a fresh process would never have seen them; nothing else is (a checkout or a virtual
+    environment in /tmp keeps its modules: half of matplotlib forgotten is a matplotlib whose classes
+    no longer match). A run past ``timeout`` ends this process (SIGALRM), never the session."""
     with patch.context() as patched:
         patched.chdir(REPO)
         for name, value in env.items():
             patched.setenv(name, str(value))
-        before, temporary = set(sys.modules), Path(tempfile.gettempdir()).resolve()
+        before, temporary = set(sys.modules), tests_tmp.resolve()
         capture.readouterr()
         start = time.monotonic()
         signal.alarm(math.ceil(timeout))
@@ -167,7 +175,9 @@ def _in_process(
 
 
 @pytest.fixture
-def run_harness(capfd: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> Callable[..., CliRun]:
+def run_harness(
+    capfd: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, session_dir: Path
+) -> Callable[..., CliRun]:
     """``run_harness("run", "determinism", "--steps", 3)``: the real CLI, waited for; its ranks are
     real processes. The command itself runs in this process (``harness.cli.main``), whose imports the
     session has paid for already: a fresh interpreter would spend some 3 s of a core on them per run.
@@ -177,7 +187,7 @@ def run_harness(capfd: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPat
     def run(*args: object, timeout: float = 240, env: dict[str, object] | None = None, process: bool = False) -> CliRun:
         if process:
             return _run_cli(args, timeout, env or {})
-        return _in_process(args, env or {}, capfd, monkeypatch, timeout)
+        return _in_process(args, env or {}, capfd, monkeypatch, timeout, session_dir)
 
     return run
 
@@ -202,13 +212,15 @@ def module_run_harness(tmp_path_factory: pytest.TempPathFactory, session_dir: Pa
 
 
 @pytest.fixture
-def harness_main(capfd: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> Callable[..., CliRun]:
+def harness_main(
+    capfd: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, session_dir: Path
+) -> Callable[..., CliRun]:
     """``harness_main("abba", "parity", "--blocks", 1)``: the harness command in this process, as
     ``run_harness`` runs it, for commands refused before anything launches, which so stay in the
     fast tier (it starts no process, so marks no test ``e2e``)."""
 
     def run(*args: object, env: dict[str, object] | None = None) -> CliRun:
-        return _in_process(args, env or {}, capfd, monkeypatch, timeout=240)
+        return _in_process(args, env or {}, capfd, monkeypatch, 240, session_dir)
 
     return run
 
