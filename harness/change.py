@@ -18,8 +18,11 @@ import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 
+from harness.checks import run_check
 from harness.checks.change import KIND, change_check
-from harness.results import CheckResult
+from harness.checks.golden import KIND as GOLDEN
+from harness.records import RunRecords
+from harness.results import BASE_FAILS, CheckResult
 from harness.revisions import (
     BASE,
     HEAD,
@@ -29,7 +32,7 @@ from harness.revisions import (
     materialise,
     subject_package,
 )
-from harness.specs import SuiteSpec
+from harness.specs import CheckSpec, SuiteSpec
 from harness.subject import load_subject
 
 
@@ -78,6 +81,26 @@ def change_suite(suite: SuiteSpec) -> SuiteSpec:
     base = {base_arm(name): dataclasses.replace(arm, name=base_arm(name), revision=BASE) for name, arm in head.items()}
     checks = tuple(change_check(name, base_arm(name), suite.change_tier) for name in head)
     return dataclasses.replace(suite, arms={**head, **base}, checks=(*suite.checks, *checks))
+
+
+def blame_base(
+    results: list[CheckResult], checks: list[CheckSpec], suite: SuiteSpec, records: RunRecords
+) -> list[CheckResult]:
+    """The suite's own check results at head, each failure that its check also fails on the base arms
+    labelled BASE_FAILS: the base itself fails the suite, and the change is not blamed for it."""
+    failing = {r.name for r in results if r.status == "fail" and r.kind not in (KIND, GOLDEN)}
+    if not failing:
+        return results
+    head = suite.at_head()
+    at_base = RunRecords({arm: records[base_arm(arm)] for arm in head.arms if base_arm(arm) in records})
+    own = [check for check in checks if check.kind not in (KIND, GOLDEN)]
+    base_failed = {r.name for check in own for r in run_check(check, head, at_base) if r.status == "fail"}
+    return [
+        dataclasses.replace(r, label=BASE_FAILS, detail=f"{r.detail}; it fails at the base too")
+        if r.name in failing and r.name in base_failed
+        else r
+        for r in results
+    ]
 
 
 def change_line(revisions: dict[str, Revision], checks: list[CheckResult], suite: SuiteSpec) -> str:

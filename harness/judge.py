@@ -17,6 +17,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from harness.cancel import Cancelled
+from harness.change import blame_base
 from harness.checks import run_check
 from harness.checks.change import KIND as CHANGE_KIND
 from harness.environment import CpuPin
@@ -136,10 +137,12 @@ def collect_checks(
 
 def _run(planned: list[CheckSpec], suite: SuiteSpec, records: RunRecords) -> list[CheckResult]:
     """The planned checks; the suite's own and its golden's judge its head arms alone (a change
-    check's base arms are for the ``change`` checks, harness/checks/change.py)."""
+    check's base arms are for the ``change`` checks, harness/checks/change.py), and a failure that
+    the base arms fail too is the base's (:func:`harness.change.blame_base`)."""
     head = suite.at_head()
-    return [
+    results = [
         result
         for check in planned
         for result in run_check(check, suite if check.kind == CHANGE_KIND else head, records)
     ]
+    return results if head is suite else blame_base(results, planned, suite, records)

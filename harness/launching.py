@@ -15,6 +15,7 @@ import time
 from dataclasses import dataclass, field
 from typing import TextIO
 
+from harness.base_cache import keep_base
 from harness.cancel import Cancelled
 from harness.launchers import GroupLauncher, LaunchContext, LaunchResult
 from harness.phases import cache_notes, read_rank_phases
@@ -36,6 +37,11 @@ class Launched:
 
     def elapsed_s(self) -> float:
         return time.monotonic() - self.started
+
+    @property
+    def ended_well(self) -> bool:
+        """Neither a signal nor an error of the harness cut it short."""
+        return self.cancelled is None and self.internal_error is None
 
 
 def launch_run(run: PreparedRun, launch: GroupLauncher, out: TextIO, err: TextIO) -> Launched:
@@ -64,7 +70,9 @@ def launch_run(run: PreparedRun, launch: GroupLauncher, out: TextIO, err: TextIO
         if result.error:
             print(f"error: {result.error}", file=err)
     launched.rank_phases = {group.name: read_rank_phases(run.run_dir, group.name) for group in run.groups}
-    for line in cache_notes(launched.rank_phases):
+    ran_all = len(launched.results) == len(run.groups) and all(r.ok for r in launched.results)
+    kept = keep_base(run.base, run.run_dir, ran_all and launched.ended_well) if run.base else None
+    for line in [*cache_notes(launched.rank_phases), *filter(None, [kept])]:
         print(line, file=out)
         log.info(line)
     return launched

@@ -158,7 +158,8 @@ def _change(run: PreparedRun, judged: Judgement) -> dict[str, Any] | None:
     if not revisions:
         return None
     line = change_line(revisions, judged.checks, run.suite)
-    return {"line": line, "revisions": {label: r.to_dict() for label, r in revisions.items()}}
+    base = run.base.line if run.base else None
+    return {"line": line, "revisions": {label: r.to_dict() for label, r in revisions.items()}, "base_records": base}
 
 
 def _launch_summary(result: LaunchResult) -> dict:

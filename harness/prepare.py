@@ -20,6 +20,7 @@ from typing import TextIO
 import torch
 
 import harness
+from harness.base_cache import BaseRecords, reuse_base
 from harness.cancel import Cancellation
 from harness.environment import CpuPin, backend_for, cpu_pin, device_class, fingerprint, run_env_key, versions
 from harness.golden_plan import GoldenPlan, golden_config, plan_golden, rebless_command
@@ -27,7 +28,7 @@ from harness.kinds import RunKind, run_kind
 from harness.manifest import Manifest, ManifestError
 from harness.phases import PhaseLog
 from harness.plan import LaunchGroup
-from harness.revisions import Revision
+from harness.revisions import BASE, Revision
 from harness.rundir import harness_log, inductor_cache, make_run_dir
 from harness.shipped import shipped_dir
 from harness.specs import CheckSpec, SuiteSpec
@@ -113,6 +114,7 @@ class PreparedRun:
     kind: RunKind  # a training or a throughput run (kinds.py)
     checks: list[CheckSpec]  # what the run is judged by: the suite's and the golden's, or the gate
     env: dict[str, str]  # what every rank's environment gains: the CPU kernel pin, a private Inductor cache
+    base: BaseRecords | None = None  # a change check's base records: restored, or to be kept (base_cache.py)
 
     @property
     def subject_source(self) -> tuple[Path, ...]:
@@ -149,6 +151,9 @@ def prepare_run(
     )
     checks = kind.checks(golden, groups)
     run_dir = make_run_dir(suite.name, options.out, unpickled)
+    base = _base_records(suite, options, kind, key, run_dir)
+    if base is not None and base.restored:
+        groups = [group for group in groups if group.revision != BASE]
     env = {**(pin.env if pin else {}), **inductor_cache(run_dir)}  # what every rank's environment gains
     with harness_log(run_dir), Cancellation():
         subject = subject_of(suite)
@@ -174,15 +179,24 @@ def prepare_run(
             revisions=options.revisions,
         )
         manifest.write(run_dir)
-        for line in filter(None, [pin.note if pin else None, golden.note, cache_note]):
+        for line in filter(None, [pin.note if pin else None, golden.note, cache_note, base and base.line]):
             print(line, file=out)
             log.info(line)
     phases = PhaseLog()
     phases.add("start", options.started_at, began)  # the interpreter's imports, the command line, the suite
     phases.add("prepare", began, time.time())
     return PreparedRun(
-        run_dir, suite, options, key, pin, golden, rebless, groups, manifest, phases, subject, kind, checks, env
+        run_dir, suite, options, key, pin, golden, rebless, groups, manifest, phases, subject, kind, checks, env, base
     )
+
+
+def _base_records(suite: SuiteSpec, options: RunOptions, kind: RunKind, key: str, run_dir: Path) -> BaseRecords | None:
+    """A change check's base records, restored if kept (base_cache.py); never for a throughput run,
+    whose two sides must be timed side by side."""
+    if BASE not in options.revisions or not kind.records_golden:
+        return None
+    base = options.revisions[BASE]
+    return reuse_base(suite, base.sha, base.package, key, run_dir)
 
 
 def _unpickled(suite: SuiteSpec, local_devices: bool) -> str | None:

@@ -24,6 +24,7 @@ NOT_EVALUATED = "not_evaluated"  # CheckResult.extra key: the arm, never run, th
 DRIFT = "drift"  # CheckResult.label: the environment, not the code, moved the numbers
 REGRESSION = "regression"  # CheckResult.label of any other failure; a rank failure the code under test caused
 CHANGE = "change"  # CheckResult.label: a change check (--base) failed: head moved the numbers against base
+BASE_FAILS = "base"  # CheckResult.label: a suite's check fails at a change's head and at its base alike
 
 
 @dataclass
@@ -40,7 +41,9 @@ class CheckResult:
     max_rel_diff: float | None = None
     extra: dict = field(default_factory=dict)
     arms: list[str] = field(default_factory=list)  # the arms it judges; the report groups checks by them
-    label: str | None = None  # what a failure means: DRIFT, CHANGE or REGRESSION (verdict.py); None unless it failed
+    label: str | None = (
+        None  # what a failure means: DRIFT, CHANGE, BASE_FAILS or REGRESSION (verdict.py); None unless it failed
+    )
 
     def to_dict(self) -> dict:
         """JSON-ready: numpy scalars become Python ones; floats are kept unrounded."""

@@ -37,6 +37,7 @@ from harness.checks.golden import drift_line
 from harness.records import ArmRecords
 from harness.results import (
     BAD_INPUT,
+    BASE_FAILS,
     CHANGE,
     DRIFT,
     FAILED_AS_EXPECTED,
@@ -95,15 +96,14 @@ def labelled(checks: list[CheckResult]) -> list[CheckResult]:
 
 
 def run_label(checks: list[CheckResult], verdict: str) -> str | None:
-    """The label of a failed run (verdict fail): drift when every failure is drift; change when every
-    failure is a change check's (head against base) or drift; else regression. None for any other
-    verdict: an error or a cancellation is not judged."""
+    """The label of a failed run (verdict fail): regression when any failure is one; else change when a
+    change check (head against base) failed; else base when a check fails at a change's base too (the
+    change is not blamed); else drift. None for any other verdict: an error or a cancellation is not
+    judged."""
     if verdict != "fail":
         return None
     labels = {c.label for c in checks if c.status == "fail"}
-    if labels == {DRIFT}:
-        return DRIFT
-    return CHANGE if labels <= {DRIFT, CHANGE} else REGRESSION
+    return next(label for label in (REGRESSION, CHANGE, BASE_FAILS, DRIFT) if label in labels)
 
 
 def label_line(checks: list[CheckResult], label: str | None, rebless: str) -> str | None:
@@ -117,7 +117,10 @@ def label_line(checks: list[CheckResult], label: str | None, rebless: str) -> st
     names = ", ".join(failed[:3]) + (f" and {len(failed) - 3} more" if len(failed) > 3 else "")
     drifted = sum(c.label == DRIFT for c in checks)
     also = f" ({drifted} more failed as drift: see their rows)" if drifted else ""
-    return f"{label}: {len(failed)} failed check{'s' if len(failed) != 1 else ''}: {names}{also}"
+    plural = "s" if len(failed) != 1 else ""
+    if label == BASE_FAILS:
+        return f"base: {len(failed)} failed check{plural} fail at the base too, not blamed on the change: {names}{also}"
+    return f"{label}: {len(failed)} failed check{plural}: {names}{also}"
 
 
 def cancelled_check(cancelled: Cancelled, elapsed_s: float) -> CheckResult:

@@ -101,7 +101,7 @@ def test_bare_train_field_override_applies_to_every_arm(tmp_path: Path) -> None:
         ),
         (
             GOOD.replace('kind = "exact"', 'kind = "exactly"'),
-            "FILE: checks.0.kind: expected one of token-exchange-invariants, same-event-sequence, fidelity,",
+            "FILE: checks.0.kind: expected one of token-exchange-invariants, same-event-sequence, exact, ulp,",
         ),
         (GOOD + 'arms = ["eager", "graph"]\n', 'FILE: checks.0.arms.1: expected one of eager, plain, got "graph"'),
         (

@@ -15,7 +15,7 @@ from harness.plan import LaunchGroup
 from harness.records import ArmRecords, read_metrics_records
 from harness.report import format_verdict_table
 from harness.report.checks import status_counts
-from harness.results import BAD_INPUT, CheckResult
+from harness.results import BAD_INPUT, BASE_FAILS, CHANGE, CheckResult
 from harness.subject.protocol import ArmFacts
 from harness.suites import SuiteError
 from harness.verdict import (
@@ -190,6 +190,19 @@ def test_every_failure_is_a_regression_unless_its_family_labelled_it_drift() -> 
     checks, verdict, code = conclude([drift, _check("a: agree", "pass")], None, 1.0)
     assert (run_label(checks, verdict), code) == ("drift", EXIT_FAIL)
     assert run_label(checks, "error") is None  # an error or a cancellation is not judged drift or regression
+
+
+def test_a_change_failure_labels_the_run_change_unless_a_regression_fails_too() -> None:
+    changed = dataclasses.replace(_check("a: head vs base: loss", "fail"), label=CHANGE)
+    at_base = dataclasses.replace(_check("a: agree", "fail"), label=BASE_FAILS)
+    checks, verdict, _ = conclude([changed, at_base], None, 1.0)
+    assert run_label(checks, verdict) == "change"
+    assert label_line(checks, "change", "unused") == "change: 1 failed check: a: head vs base: loss"
+    checks, verdict, _ = conclude([at_base, _check("b: ok", "pass")], None, 1.0)
+    assert run_label(checks, verdict) == "base"  # the base fails it too: not blamed on the change
+    assert label_line(checks, "base", "unused").startswith("base: 1 failed check fail at the base too")
+    checks, verdict, _ = conclude([changed, _check("a vs b", "fail")], None, 1.0)
+    assert run_label(checks, verdict) == "regression"
 
 
 SUBJECT_BUG_IN_PIPELINED = """

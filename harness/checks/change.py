@@ -24,11 +24,7 @@ KIND = "change"
 
 
 def parse(kind: str, raw: dict, dotted: str, v: SuiteReader, arms: dict[str, ArmSpec]) -> CheckSpec:
-    raise v.error(
-        f"{dotted}.kind",
-        "change checks are made by --base REV, one per arm, at the tier of the suite's [change] table;"
-        " not a [[checks]] entry",
-    )
+    raise v.error(f"{dotted}.kind", "change checks are made by --base REV at the [change] table's tier")
 
 
 def change_check(arm: str, base_arm: str, tier: dict) -> CheckSpec:
@@ -48,4 +44,4 @@ def run(check: CheckSpec, suite: SuiteSpec, records: RunRecords) -> list[CheckRe
     return [dataclasses.replace(r, kind=KIND, arms=[base, head], label=label.get(r.status)) for r in results]
 
 
-register(CheckFamily((KIND,), parse, run, reads=(METRICS,)))
+register(CheckFamily((KIND,), parse, run, reads=(METRICS,), listed=False))
