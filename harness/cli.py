@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import NoReturn
 
 import harness
+from harness.bisect import BisectRequest, run_bisect
 from harness.cancel import Cancelled
 from harness.change import ChangeRequest, prepare_change
 from harness.ci import run_gate
@@ -246,6 +247,23 @@ def build_parser() -> argparse.ArgumentParser:
     ci.add_argument(
         "--retries", type=int, default=1, metavar="N", help="more attempts of a suite that exits 3 (default 1)"
     )
+    bisect = commands.add_parser(
+        "bisect",
+        help="find the first commit between --good and --bad at which the suite (or --check NAME) fails",
+        description="Binary search over git rev-list --ancestry-path GOOD..BAD (about log2(N) runs): each probe runs"
+        " the suite with --head at the commit and --base at GOOD; exit 3 and 4 are skipped. Reads git objects"
+        " only: the checkout's working tree, index and HEAD are left as they are. Exit 0: a culprit found;"
+        " 1: no candidate fails; 3: every remaining candidate was skipped (harness/bisect.py).",
+    )
+    _add_run_arguments(bisect)
+    next(a for a in bisect._actions if a.dest == "out").help = "bisect directory (default ./reports/bisect/<UTC time>)"
+    bisect.add_argument("--good", metavar="REV", required=True, help="a revision that passes (an ancestor of --bad)")
+    bisect.add_argument("--bad", metavar="REV", required=True, help="a revision that fails")
+    bisect.add_argument(
+        "--source", type=Path, metavar="PATH", help="the git checkout of the subject's package (default: the imported)"
+    )
+    bisect.add_argument("--check", metavar="NAME", help="bad: a check NAME or NAME: ... failed (default: exit 1)")
+    bisect.add_argument("--golden", choices=("auto", "check", "off"), default="auto", help="as for harness run")
     _add_slurm_commands(commands)
     report = commands.add_parser("report", help="re-render report.html and junit.xml of a run directory")
     report.add_argument("run_dir", type=Path, metavar="RUN_DIR")
@@ -503,6 +521,9 @@ def _command(args: argparse.Namespace, argv: list[str]) -> int:
         revisions = {suite.name: changed.revisions for suite, changed in changes}
         suites = [suite for suite, _ in changes]
         return run_gate(suites, options, args.retries, sys.stdout, sys.stderr, revisions)
+    if args.command == "bisect":
+        request = BisectRequest(args.good, args.bad, args.source, args.check)
+        return run_bisect(_load(args, args.suite), _run_options(args, argv, args.golden), request)
     if args.command == "report":
         return rerender(args.run_dir, sys.stdout)
     for key, value in describe_environment(args.golden_dir).items():

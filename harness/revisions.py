@@ -115,12 +115,16 @@ class Source:
         """(sha, subject line) of the commit ``rev`` names."""
         if rev.startswith("-"):
             raise RevisionError(f"{flag} {rev}: not a revision")
-        out = self.git(
-            "rev-parse", "--verify", "--quiet", "--end-of-options", f"{rev}^{{commit}}", what=f"{flag} {rev}"
-        )
+        unresolved = RevisionError(f"{flag} {rev}: does not resolve to a commit in {self.repo}")
+        try:  # --quiet: a name that does not resolve is exit 1 with nothing on stderr
+            out = self.git(
+                "rev-parse", "--verify", "--quiet", "--end-of-options", f"{rev}^{{commit}}", what=f"{flag} {rev}"
+            )
+        except RevisionError:
+            raise unresolved from None
         sha = out.strip()
         if not sha:
-            raise RevisionError(f"{flag} {rev}: does not resolve to a commit in {self.repo}")
+            raise unresolved
         title = self.git("log", "-1", "--format=%s", sha, "--", what=f"{flag} {rev}").strip()
         return sha, title
 

@@ -206,3 +206,9 @@ def write_ci_index(path: Path, gate: dict) -> None:
     suite's verdict and attempts, linking every attempt's report.html (paths relative to the gate)."""
     html = _TEMPLATES.get_template("ci.html").render(gate=gate)
     write_text_atomic(path, html)
+
+
+def write_bisect_page(path: Path, bisect: dict) -> None:
+    """Renders ``harness bisect``'s bisect.html from its bisect.json record: each probe, linking its
+    report.html, and the culprit with the run that locates the first op (paths relative to the page)."""
+    write_text_atomic(path, _TEMPLATES.get_template("bisect.html").render(bisect=bisect))
