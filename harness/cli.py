@@ -201,7 +201,7 @@ def build_parser() -> argparse.ArgumentParser:
         "table", help="print the Markdown table of which suite has which environment's golden"
     )
     table.add_argument(
-        "--write", type=Path, metavar="README", help="put the table between README's golden-table markers instead"
+        "--write", type=Path, metavar="FILE", help="put the table between FILE's golden-table markers (docs/goldens.md)"
     )
     for reader in (status, table):
         _add_golden_dir_argument(reader)

@@ -4,7 +4,7 @@ A run without its own environment's golden compares with another's at the loose 
 tier (golden.plan_golden), where a bug that moves the numbers by less than that tier passes: real
 router bugs passed so on Intel, whose goldens were missing for suites recorded on AMD only. So the
 gaps are listed, not guessed: ``status`` names the suites this machine has no golden for, and
-``table`` renders the whole inventory as the Markdown table README.md carries between its
+``table`` renders the whole inventory as the Markdown table docs/goldens.md carries between its
 markers, regenerated from ``golden/`` (a test fails when the two disagree).
 
 A suite expects goldens when it is shipped and not a throughput suite (an ABBA gate records no
@@ -103,7 +103,7 @@ def golden_table(inventory: Inventory) -> str:
 
 
 def readme_table(text: str, source: str) -> tuple[int, int]:
-    """Where the generated table sits in ``text`` (README.md, named ``source`` in errors): the
+    """Where the generated table sits in ``text`` (docs/goldens.md, named ``source`` in errors): the
     offsets just after the begin marker's line and at the end marker, each marker present once."""
     for marker in (TABLE_BEGIN, TABLE_END):
         if text.count(marker) != 1:
@@ -115,7 +115,7 @@ def readme_table(text: str, source: str) -> tuple[int, int]:
 
 
 def write_readme_table(readme: Path, table: str) -> bool:
-    """Puts ``table`` between README.md's markers; True when that changed the file."""
+    """Puts ``table`` between the markers of a page (docs/goldens.md); True when that changed the file."""
     text = readme.read_text(encoding="utf-8")
     start, end = readme_table(text, str(readme))
     new = text[:start] + table + text[end:]

@@ -213,7 +213,7 @@ def _commands(job: dict) -> list[list[str]]:
 def test_gpu_gate_workflow_runs_harness_ci_on_the_self_hosted_h200_runner() -> None:
     workflow = _workflow("gpu-gate.yml")
     assert set(workflow["on"]) >= {"push", "pull_request"}
-    [job] = workflow["jobs"].values()
+    job = workflow["jobs"]["gate"]
     assert job["runs-on"] == ["self-hosted", "linux", "h200"]
     commands = _commands(job)
     parser = build_parser()
@@ -230,6 +230,17 @@ def test_gpu_gate_workflow_runs_harness_ci_on_the_self_hosted_h200_runner() -> N
     assert junit["with"]["report_paths"] == str(gate.out / "junit.xml")
     assert upload["with"]["path"].rstrip("/") == str(gate.out)
     assert junit["if"] == upload["if"] == "always()"
+
+
+def test_gpu_gate_workflow_judges_a_pull_request_as_a_change_against_its_base() -> None:
+    job = _workflow("gpu-gate.yml")["jobs"]["change"]
+    assert job["runs-on"] == ["self-hosted", "linux", "h200"] and "pull_request" in job["if"]
+    assert "head.repo.full_name == github.repository" in job["if"]  # never code from a fork
+    checkout = next(step for step in job["steps"] if step.get("uses", "").startswith("actions/checkout"))
+    assert checkout["with"]["fetch-depth"] == 0  # the base commit must be in the clone
+    [gate] = [build_parser().parse_args(c[1:]) for c in _commands(job) if c[0].endswith("harness") and c[1] == "ci"]
+    assert gate.base == "${{ github.event.pull_request.base.sha }}" and gate.head is None  # the checkout itself
+    assert set(gate.suite) <= set(GATE_SUITES) and gate.device == "cuda"
 
 
 def test_cpu_workflow_runs_the_readme_test_command_on_a_hosted_runner() -> None:

@@ -22,7 +22,7 @@ from harness.golden_status import (
 from harness.shipped import SOURCE_ROOT
 from harness.suites import SUITES_DIR
 
-GOLDENS, README = SOURCE_ROOT / "golden", SOURCE_ROOT / "README.md"
+GOLDENS, README = SOURCE_ROOT / "golden", SOURCE_ROOT / "docs" / "goldens.md"
 AMD, INTEL = "cpu-pinned-avx2-amd-gloo-float32-torch2.13", "cpu-pinned-avx2-intel-gloo-float32-torch2.13"
 
 
@@ -60,7 +60,7 @@ def test_a_string_that_is_no_env_key_does_not_split() -> None:
 
 def test_the_readme_table_is_the_one_generated_from_the_shipped_goldens() -> None:
     generated = golden_table(golden_inventory(GOLDENS, SUITES_DIR))
-    assert _table_in(README) == generated, "README's golden table is stale: run harness golden table --write README.md"
+    assert _table_in(README) == generated, "docs/goldens.md's golden table is stale: run harness golden table --write docs/goldens.md"
 
 
 def test_a_golden_added_to_golden_dir_makes_the_readme_table_disagree_until_it_is_written(tmp_path: Path) -> None:
@@ -70,7 +70,7 @@ def test_a_golden_added_to_golden_dir_makes_the_readme_table_disagree_until_it_i
     table = golden_table(golden_inventory(goldens, SUITES_DIR))
     assert table != _table_in(README)
     assert "| `resume` | float32 | float32 |" in table.splitlines()
-    readme = tmp_path / "README.md"
+    readme = tmp_path / "goldens.md"
     shutil.copy(README, readme)
     assert write_readme_table(readme, table) and _table_in(readme) == table
     assert not write_readme_table(readme, table)  # written once, unchanged after
@@ -140,7 +140,7 @@ def test_a_bad_golden_is_refused_by_file_and_field(tmp_path: Path, folder: str, 
 
 
 def test_writing_the_table_needs_each_marker_once(tmp_path: Path) -> None:
-    readme = tmp_path / "README.md"
+    readme = tmp_path / "goldens.md"
     readme.write_text(f"# x\n{TABLE_BEGIN}\n{TABLE_BEGIN}\n{TABLE_END}\n")
     with pytest.raises(GoldenError, match=f"README.md: {TABLE_BEGIN}: expected once, found 2 times"):
         write_readme_table(readme, "| a |\n")
