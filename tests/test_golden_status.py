@@ -60,7 +60,9 @@ def test_a_string_that_is_no_env_key_does_not_split() -> None:
 
 def test_the_readme_table_is_the_one_generated_from_the_shipped_goldens() -> None:
     generated = golden_table(golden_inventory(GOLDENS, SUITES_DIR))
-    assert _table_in(README) == generated, "docs/goldens.md's golden table is stale: run harness golden table --write docs/goldens.md"
+    assert _table_in(README) == generated, (
+        "docs/goldens.md's golden table is stale: run harness golden table --write docs/goldens.md"
+    )
 
 
 def test_a_golden_added_to_golden_dir_makes_the_readme_table_disagree_until_it_is_written(tmp_path: Path) -> None:
