@@ -18,6 +18,7 @@ are not all JSON (a checkpoint of a resumed arm) is not kept.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import hashlib
 import json
 import logging
@@ -85,13 +86,13 @@ def default_base_cache() -> Path:
 
 def base_key(suite: SuiteSpec, base_sha: str, env_key: str, package: str) -> str:
     """The key of a base's records: see the module's docstring for what goes in."""
-    arms = {name: arm.to_dict() for name, arm in suite.arms.items() if arm.revision == "base"}
+    arms = {name: dataclasses.asdict(arm) for name, arm in suite.arms.items() if arm.revision == "base"}
     described = {
         "base": base_sha,
         "harness": harness_digest(package),
         "steps": suite.steps,
         "arms": arms,
-        "debug": suite.to_dict()["debug"],
+        "debug": dataclasses.asdict(suite.debug),
         "env": env_key,
     }
     return hashlib.sha256(json.dumps(described, sort_keys=True, default=str).encode()).hexdigest()

@@ -83,6 +83,29 @@ def change_suite(suite: SuiteSpec) -> SuiteSpec:
     return dataclasses.replace(suite, arms={**head, **base}, checks=(*suite.checks, *checks))
 
 
+def judge_change(
+    results: list[CheckResult],
+    checks: list[CheckSpec],
+    suite: SuiteSpec,
+    records: RunRecords,
+    revisions: dict[str, Revision],
+    launched: bool,
+) -> tuple[list[CheckResult], str]:
+    """A change check's results, a failure the base shares labelled so (:func:`blame_base`; not in a
+    throughput run, whose gate is the only check), and the line the run opens with (:func:`change_line`;
+    ``launched``: every launch ended well, else nothing is compared)."""
+    if suite.throughput is None:
+        results = blame_base(results, checks, suite, records)
+    if not launched:
+        return results, f"{sides_of(revisions)}: not compared: a launch failed"
+    return results, change_line(revisions, results, suite)
+
+
+def sides_of(revisions: dict[str, Revision]) -> str:
+    """``head (abc1234, +dirty) vs base main (def5678)``."""
+    return f"head {revisions[HEAD].describe()} vs base {revisions[BASE].describe()}"
+
+
 def blame_base(
     results: list[CheckResult], checks: list[CheckSpec], suite: SuiteSpec, records: RunRecords
 ) -> list[CheckResult]:
@@ -106,21 +129,19 @@ def blame_base(
 def change_line(revisions: dict[str, Revision], checks: list[CheckResult], suite: SuiteSpec) -> str:
     """``head (abc1234, +dirty) vs base main (def5678): 20 steps bitwise identical on 3 arms``, or
     which arm parts first, where; for a throughput run, what its gate found."""
-    head, base = revisions[HEAD], revisions[BASE]
-    opening = f"head {head.describe()} vs base {base.describe()}"
+    sides = sides_of(revisions)
     ours = [c for c in checks if c.kind == KIND]
     if not ours:
         gate = next((c for c in checks if c.kind == "throughput"), None)
-        return f"{opening}: {gate.detail if gate else 'nothing compared'}"
+        return f"{sides}: {gate.detail if gate else 'nothing compared'}"
     arms = len({c.arms[-1] for c in ours})
     failed = [c for c in ours if c.status == "fail"]
     if failed:
         first = min(failed, key=lambda c: c.first_divergent_step or suite.steps + 1)
-        op = first.extra.get("first_op_divergence", {}).get("line")
         differ = f"{len({c.arms[-1] for c in failed})} of {arms} arm{'s' if arms != 1 else ''} differ"
-        return f"{opening}: {differ}; {first.name}: {first.detail}" + (f"; {op}" if op else "")
+        return f"{sides}: {differ}; {first.name}: {first.detail}"
     if any(c.status != "pass" for c in ours):
-        return f"{opening}: not judged ({', '.join(sorted({c.status for c in ours if c.status != 'pass'}))})"
+        return f"{sides}: not judged ({', '.join(sorted({c.status for c in ours if c.status != 'pass'}))})"
     tier = suite.change_tier["kind"]
     how = "bitwise identical" if tier == "exact" else f"within the {tier} tier"
-    return f"{opening}: {suite.steps} steps {how} on {arms} arm{'s' if arms != 1 else ''}"
+    return f"{sides}: {suite.steps} steps {how} on {arms} arm{'s' if arms != 1 else ''}"

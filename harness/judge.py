@@ -17,7 +17,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from harness.cancel import Cancelled
-from harness.change import blame_base
+from harness.change import judge_change
 from harness.checks import run_check
 from harness.checks.change import KIND as CHANGE_KIND
 from harness.environment import CpuPin
@@ -27,6 +27,7 @@ from harness.plan import LaunchGroup
 from harness.prepare import PreparedRun
 from harness.records import ArmRecords, RunRecords
 from harness.results import BAD_INPUT, REGRESSION, CheckResult
+from harness.revisions import Revision
 from harness.specs import CheckSpec, SuiteSpec
 from harness.verdict import apply_expectations, conclude, label_line, mark_not_evaluated, run_label, unrun_arms
 
@@ -47,17 +48,18 @@ class Judgement:
     golden_news: str | None
     label: str | None = None
     label_line: str | None = None
+    change_line: str | None = None  # a change check's opening line (harness/change.py); None for any other run
 
 
 def judge(run: PreparedRun, launched: Launched, records: RunRecords) -> Judgement:
     """The checks of what ``launched`` left, the verdict, and how the golden compared. A signal
     while judging cancels the run (its checks are then unknown); an error of the harness is one
     internal-error check. Nothing is written here: a ``--golden update`` is the outputs' (outputs.py)."""
-    cancelled, checks = launched.cancelled, []
+    cancelled, checks, change = launched.cancelled, [], None
     try:
         if cancelled is None:
             with run.phases.phase("judge"):
-                checks = _checks(run, launched, records)
+                checks, change = _checks(run, launched, records)
     except Cancelled as c:
         cancelled = c
     except Exception as e:
@@ -68,13 +70,15 @@ def judge(run: PreparedRun, launched: Launched, records: RunRecords) -> Judgemen
     line = label_line(checks, label, run.rebless)
     news = run.golden.outcome(checks)
     outcome = news.splitlines()[-1] if news else None
-    return Judgement(checks, verdict, exit_code, outcome, news, label, line)
+    return Judgement(checks, verdict, exit_code, outcome, news, label, line, change)
 
 
-def _checks(run: PreparedRun, launched: Launched, records: RunRecords) -> list[CheckResult]:
+def _checks(run: PreparedRun, launched: Launched, records: RunRecords) -> tuple[list[CheckResult], str | None]:
+    """The checks, and a change check's opening line (None for any other run)."""
     if launched.internal_error:
-        return [CheckResult("harness", "internal-error", "error", launched.internal_error)]
-    return collect_checks(run.suite, run.checks, run.groups, launched.results, records, run.pin)
+        return [CheckResult("harness", "internal-error", "error", launched.internal_error)], None
+    revisions = run.manifest.revisions
+    return collect_checks(run.suite, run.checks, run.groups, launched.results, records, run.pin, revisions)
 
 
 def launch_checks(launches: list[LaunchResult]) -> list[CheckResult]:
@@ -125,24 +129,29 @@ def collect_checks(
     launches: list[LaunchResult],
     records: RunRecords,
     pin: CpuPin | None,
-) -> list[CheckResult]:
+    revisions: dict[str, Revision] | None = None,
+) -> tuple[list[CheckResult], str | None]:
     """Rank failures first, then the records, then the planned checks (the suite's and the
     golden's), all on whatever the arms recorded: a check never passes on steps that did not run,
-    and a check of an arm that a failed launch never ran is not evaluated (verdict.py)."""
+    and a check of an arm that a failed launch never ran is not evaluated (verdict.py). A change
+    check's results are judged as a change (``revisions``: harness/change.py), with its opening line."""
     failures = launch_checks(launches)
-    checks = [*record_checks(suite, records, pin, crashed=bool(failures)), *_run(planned, suite, records)]
-    checks = mark_not_evaluated(checks, unrun_arms(suite, groups, launches, records))
-    return [*failures, *apply_expectations(suite, checks)]
+    recorded = record_checks(suite, records, pin, crashed=bool(failures))
+    checks, change = _run(planned, suite, records), None
+    if revisions:
+        checks, change = judge_change(checks, planned, suite, records, revisions, launched=not failures)
+    checks = mark_not_evaluated([*recorded, *checks], unrun_arms(suite, groups, launches, records))
+    return [*failures, *apply_expectations(suite, checks)], change
 
 
 def _run(planned: list[CheckSpec], suite: SuiteSpec, records: RunRecords) -> list[CheckResult]:
     """The planned checks; the suite's own and its golden's judge its head arms alone (a change
     check's base arms are for the ``change`` checks, harness/checks/change.py), and a failure that
-    the base arms fail too is the base's (:func:`harness.change.blame_base`)."""
+    the base arms fail too is the base's (judged in :func:`judge`, :func:`harness.change.judge_change`)."""
     head = suite.at_head()
     results = [
         result
         for check in planned
         for result in run_check(check, suite if check.kind == CHANGE_KIND else head, records)
     ]
-    return results if head is suite else blame_base(results, planned, suite, records)
+    return results

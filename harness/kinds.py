@@ -20,7 +20,7 @@ from typing import TextIO
 from harness.checks.golden import golden_check
 from harness.checks.throughput import gate_check
 from harness.golden_plan import GoldenPlan
-from harness.plan import LaunchGroup, plan_launches, plan_throughput_launches
+from harness.plan import LaunchGroup, plan_launches, plan_measurements, plan_throughput_launches
 from harness.progress import BlockProgress, Progress
 from harness.records import RecordError, RunRecords, read_arm, read_jsonl
 from harness.rundir import THROUGHPUT, arm_files
@@ -90,9 +90,9 @@ class ThroughputRun:
         return BlockProgress(run_dir / THROUGHPUT, roles, spec.planned_blocks, out, verbose, spec.adaptive)
 
     def measured_enough(self, run_dir: Path, group: LaunchGroup) -> bool:
-        """Whether a run of one launch per block position may stop after ``group`` (harness/throughput.py's
-        stop rule; a run in shared processes stops inside its one launch)."""
-        if not self.spec.adaptive or len(group.measurements) != 1:
+        """Whether a run of separate launches may stop after ``group`` (harness/throughput.py's stop
+        rule; a run in shared processes stops inside its one launch)."""
+        if not self.spec.adaptive or len(group.measurements) == len(plan_measurements(self.spec)):
             return False
         return stop_reason(self.spec, read_jsonl(run_dir / THROUGHPUT)) is not None
 

@@ -20,7 +20,6 @@ from typing import Any, TextIO
 import pandas as pd
 
 from harness.cancel import Cancelled
-from harness.change import change_line
 from harness.files import write_json_atomic
 from harness.golden import Golden, GoldenError, load_golden
 from harness.golden_plan import update_golden
@@ -157,9 +156,9 @@ def _change(run: PreparedRun, judged: Judgement) -> dict[str, Any] | None:
     revisions = run.manifest.revisions
     if not revisions:
         return None
-    line = change_line(revisions, judged.checks, run.suite)
     base = run.base.line if run.base else None
-    return {"line": line, "revisions": {label: r.to_dict() for label, r in revisions.items()}, "base_records": base}
+    revisions = {label: r.to_dict() for label, r in revisions.items()}
+    return {"line": judged.change_line, "revisions": revisions, "base_records": base}
 
 
 def _launch_summary(result: LaunchResult) -> dict:

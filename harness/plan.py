@@ -128,7 +128,10 @@ def plan_measurements(spec: ThroughputSpec) -> list[Measurement]:
 
 def plan_throughput_launches(suite: SuiteSpec) -> list[LaunchGroup]:
     """One launch holding every measurement when A and B have one process count and one revision;
-    else one each."""
+    else a launch per run of consecutive positions of one arm: A | B B | A A | B B | ... A, the
+    block's two B positions in one launch, and its last A with the next block's first. Each arm is
+    so timed as often first as second in its launch, and a launch's start-up (seconds) is paid about
+    twice a block rather than four times."""
     spec = suite.throughput
     plan = plan_measurements(spec)
     a, b = suite.arms[spec.a], suite.arms[spec.b]
@@ -136,9 +139,17 @@ def plan_throughput_launches(suite: SuiteSpec) -> list[LaunchGroup]:
     if len(ranks) == 1 and a.revision == b.revision:
         arms = tuple(dict.fromkeys((spec.a, spec.b)))
         return [LaunchGroup("+".join(arms), ranks.pop(), arms, LOGS_DIR, tuple(plan), revision=a.revision)]
-    groups = []
+    runs: list[list[Measurement]] = []
     for m in plan:
-        name = f"{m.series}-b{m.block}p{m.position}-{m.arm}"
-        arm = suite.arms[m.arm]
-        groups.append(LaunchGroup(name, arm.ranks, (m.arm,), f"{LOGS_DIR}/{name}", (m,), revision=arm.revision))
+        if runs and runs[-1][-1].arm == m.arm:
+            runs[-1].append(m)
+        else:
+            runs.append([m])
+    groups = []
+    for run in runs:
+        first, arm = run[0], suite.arms[run[0].arm]
+        name = f"{first.series}-b{first.block}p{first.position}-{first.arm}"
+        groups.append(
+            LaunchGroup(name, arm.ranks, (first.arm,), f"{LOGS_DIR}/{name}", tuple(run), revision=arm.revision)
+        )
     return groups

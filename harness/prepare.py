@@ -151,10 +151,14 @@ def prepare_run(
     )
     checks = kind.checks(golden, groups)
     run_dir = make_run_dir(suite.name, options.out, unpickled)
-    base = _base_records(suite, options, kind, key, run_dir)
-    if base is not None and base.restored:
-        groups = [group for group in groups if group.revision != BASE]
     env = {**(pin.env if pin else {}), **inductor_cache(run_dir)}  # what every rank's environment gains
+    # A change check's base records, restored if kept (base_cache.py); never for a throughput run,
+    # whose two sides must be timed side by side.
+    base = None
+    if BASE in options.revisions and kind.records_golden:
+        base = reuse_base(suite, options.revisions[BASE].sha, options.revisions[BASE].package, key, run_dir)
+        if base.restored:
+            groups = [group for group in groups if group.revision != BASE]
     with harness_log(run_dir), Cancellation():
         subject = subject_of(suite)
         trace_cache, cache_note = usable_trace_cache(options.trace_cache, subject)
@@ -188,15 +192,6 @@ def prepare_run(
     return PreparedRun(
         run_dir, suite, options, key, pin, golden, rebless, groups, manifest, phases, subject, kind, checks, env, base
     )
-
-
-def _base_records(suite: SuiteSpec, options: RunOptions, kind: RunKind, key: str, run_dir: Path) -> BaseRecords | None:
-    """A change check's base records, restored if kept (base_cache.py); never for a throughput run,
-    whose two sides must be timed side by side."""
-    if BASE not in options.revisions or not kind.records_golden:
-        return None
-    base = options.revisions[BASE]
-    return reuse_base(suite, base.sha, base.package, key, run_dir)
 
 
 def _unpickled(suite: SuiteSpec, local_devices: bool) -> str | None:

@@ -144,7 +144,7 @@ def test_a_bad_golden_is_refused_by_file_and_field(tmp_path: Path, folder: str, 
 def test_writing_the_table_needs_each_marker_once(tmp_path: Path) -> None:
     readme = tmp_path / "goldens.md"
     readme.write_text(f"# x\n{TABLE_BEGIN}\n{TABLE_BEGIN}\n{TABLE_END}\n")
-    with pytest.raises(GoldenError, match=f"README.md: {TABLE_BEGIN}: expected once, found 2 times"):
+    with pytest.raises(GoldenError, match=f"goldens.md: {TABLE_BEGIN}: expected once, found 2 times"):
         write_readme_table(readme, "| a |\n")
     readme.write_text(f"# x\n{TABLE_END}\n{TABLE_BEGIN}\n")
     with pytest.raises(GoldenError, match=f"{TABLE_END}: comes before {TABLE_BEGIN}"):

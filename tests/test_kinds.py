@@ -11,6 +11,7 @@ from suite_files import suite_from
 
 from harness.golden_plan import plan_golden
 from harness.kinds import ThroughputRun, TrainingRun, run_kind
+from harness.plan import LaunchGroup
 from harness.prepare import RunOptions, UsageError, prepare_run
 from harness.records import ArmRecords
 
@@ -84,7 +85,7 @@ def test_a_throughput_run_is_judged_by_its_gate_alone_and_records_no_golden(tmp_
     kind = run_kind(suite)
     assert isinstance(kind, ThroughputRun) and not kind.records_golden and kind.steps == 4
     groups = kind.launches()
-    assert all(len(g.measurements) == 1 for g in groups)  # A and B differ in process count
+    assert all(len(g.arms) == 1 for g in groups) and len(groups) > 1  # A and B differ in process count
     golden = plan_golden(suite.name, {}, "key", "none", tmp_path / "golden", {})
     assert golden.note is None  # a throughput run says nothing of a golden it cannot have
     assert [c.kind for c in kind.checks(golden, groups)] == ["throughput"]
@@ -100,10 +101,16 @@ def test_a_throughput_run_is_judged_by_its_gate_alone_and_records_no_golden(tmp_
 def test_separate_launches_stop_after_the_block_that_clears_the_gate_and_not_inside_one(tmp_path: Path) -> None:
     kind = run_kind(suite_from(tmp_path, SUITE + THROUGHPUT))
     groups = kind.launches()
+
+    def launch_of(block: int, position: int) -> LaunchGroup:
+        return next(g for g in groups if any((m.block, m.position) == (block, position) for m in g.measurements))
+
+    # A | B B | A A | B B | ...: a block's two B positions share a launch, its last A the next block's first A's.
+    assert [len(g.measurements) for g in groups[:4]] == [1, 2, 2, 2] and launch_of(1, 3) == launch_of(2, 0)
     rows = [row for block in range(1, 5) for row in _block(block, 1.0)]
     (tmp_path / "throughput.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows[:-1]))
-    assert not kind.measured_enough(tmp_path, groups[14])  # block 4 is not whole yet
+    assert not kind.measured_enough(tmp_path, launch_of(4, 2))  # block 4 is not whole yet
     (tmp_path / "throughput.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    assert kind.measured_enough(tmp_path, groups[15])  # four equal blocks clear a 5% threshold
+    assert kind.measured_enough(tmp_path, launch_of(4, 3))  # four equal blocks clear a 5% threshold
     (tmp_path / "throughput.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows[:4]))
-    assert not kind.measured_enough(tmp_path, groups[3])  # one block says nothing yet
+    assert not kind.measured_enough(tmp_path, launch_of(1, 3))  # one block says nothing yet

@@ -60,13 +60,15 @@ def test_plan_is_abba_blocks_with_the_control_interleaved(tmp_path: Path) -> Non
     assert group.measurements == tuple(plan) and group.arms == ("base", "twin")
 
 
-def test_arms_of_different_process_counts_get_a_launch_per_block_position(tmp_path: Path) -> None:
+def test_arms_of_different_process_counts_get_a_launch_per_run_of_one_arms_positions(tmp_path: Path) -> None:
     suite = _suite(tmp_path, blocks=2, extra="[arms.solo]\nranks = 1\n")
     suite = suite_from(tmp_path, (tmp_path / "suite.toml").read_text().replace('b = "twin"', 'b = "solo"'))
     groups = plan_throughput_launches(suite)
-    assert len(groups) == 8 and all(len(g.measurements) == 1 for g in groups)
-    assert [g.ranks for g in groups[:4]] == [2, 1, 1, 2]
-    assert len({g.log_dir for g in groups}) == 8  # each launch keeps its own rank logs
+    # A | B B | A A | B B | A: every position timed once, in ABBA order, each launch one arm's.
+    positions = [[(m.block, m.position) for m in g.measurements] for g in groups]
+    assert positions == [[(1, 0)], [(1, 1), (1, 2)], [(1, 3), (2, 0)], [(2, 1), (2, 2)], [(2, 3)]]
+    assert [g.ranks for g in groups] == [2, 1, 2, 1, 2] and all(len(g.arms) == 1 for g in groups)
+    assert len({g.log_dir for g in groups}) == 5  # each launch keeps its own rank logs
 
 
 def _rows(ratios: list[float], series: str = "main", jitter: float = 0.0, seed: int = 0) -> list[dict]:

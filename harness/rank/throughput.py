@@ -21,7 +21,7 @@ import torch.distributed as dist
 from harness.phases import PhaseLog
 from harness.plan import Measurement
 from harness.rank.train import received_records, seeded
-from harness.records import JsonlWriter
+from harness.records import JsonlWriter, read_jsonl
 from harness.rundir import THROUGHPUT
 from harness.specs import ArmSpec, SuiteSpec
 from harness.subject import Subject
@@ -41,8 +41,10 @@ def measure_throughput(
     """Times the group's block positions in order (harness/throughput.py plans them): builds each
     copy of an arm once and warms it up, then records per position the slowest rank's seconds and
     the largest peak memory of any rank to ``throughput.jsonl`` (process rank 0). Tokens per second
-    count the tokens of the updates the block made (a filling pipeline makes fewer)."""
+    count the tokens of the updates the block made (a filling pipeline makes fewer). The stop rule
+    sees the rows of earlier launches too (a run of separate launches), read before this one wrote any."""
     spec, debug = suite.throughput, suite.debug
+    earlier = read_jsonl(run_dir / THROUGHPUT) if (run_dir / THROUGHPUT).is_file() else []
     positions = collections.Counter(m.copy for m in measurements)
     arms = {m.copy: m.arm for m in measurements}
     with contextlib.ExitStack() as stack:
@@ -84,7 +86,7 @@ def measure_throughput(
                 if writer is not None:
                     writer.write(rows[-1])
                 # Every rank holds the same reduced rows, so every rank reaches the same answer.
-                reason = stop_reason(spec, rows)
+                reason = stop_reason(spec, [*earlier, *rows])
                 if reason:
                     print(f"[throughput] stopped: {reason}", flush=True)
                     break

@@ -130,7 +130,7 @@ def test_a_planted_slowdown_fails_the_abba_gate_of_head_against_base(
 ) -> None:
     out = tmp_path / "run"
     change = ("--base", history.shipped, "--head", history.slow, "--source", history.repo.root, "--arm", "eager")
-    timing = ("--ranks", 1, "--steps", 3, "--warmup", 1, "--max-blocks", 12, "--budget-s", 240)
+    timing = ("--ranks", 1, "--steps", 10, "--warmup", 2, "--max-blocks", 12, "--budget-s", 240)
     run = run_harness("abba", history.suite, *change, *timing, "--out", out, timeout=400)
     assert run.returncode == EXIT_FAIL, run.stdout + run.stderr
     measured = _summary(out)["throughput"]
