@@ -22,7 +22,7 @@ from harness.checks import run_check
 from harness.checks.change import KIND, change_check
 from harness.checks.golden import KIND as GOLDEN
 from harness.records import RunRecords
-from harness.results import BASE_FAILS, CheckResult
+from harness.results import BASE_FAILS, CHANGE, CheckResult
 from harness.revisions import (
     BASE,
     HEAD,
@@ -109,21 +109,24 @@ def sides_of(revisions: dict[str, Revision]) -> str:
 def blame_base(
     results: list[CheckResult], checks: list[CheckSpec], suite: SuiteSpec, records: RunRecords
 ) -> list[CheckResult]:
-    """The suite's own check results at head, each failure that its check also fails on the base arms
-    labelled BASE_FAILS: the base itself fails the suite, and the change is not blamed for it."""
-    failing = {r.name for r in results if r.status == "fail" and r.kind not in (KIND, GOLDEN)}
+    """The suite's own and its golden's check results at head, each failure that its check also fails
+    on the base arms labelled BASE_FAILS: the base itself fails the suite, and the change is not blamed
+    for it. A golden the head fails and the base matches is labelled CHANGE: the change moved it."""
+    failing = {r.name for r in results if r.status == "fail" and r.kind != KIND}
     if not failing:
         return results
     head = suite.at_head()
     at_base = RunRecords({arm: records[base_arm(arm)] for arm in head.arms if base_arm(arm) in records})
-    own = [check for check in checks if check.kind not in (KIND, GOLDEN)]
+    own = [check for check in checks if check.kind != KIND]
     base_failed = {r.name for check in own for r in run_check(check, head, at_base) if r.status == "fail"}
-    return [
-        dataclasses.replace(r, label=BASE_FAILS, detail=f"{r.detail}; it fails at the base too")
-        if r.name in failing and r.name in base_failed
-        else r
-        for r in results
-    ]
+    blamed = []
+    for r in results:
+        if r.name in failing and r.name in base_failed:
+            r = dataclasses.replace(r, label=BASE_FAILS, detail=f"{r.detail}; it fails at the base too")
+        elif r.name in failing and r.kind == GOLDEN:
+            r = dataclasses.replace(r, label=CHANGE, detail=f"{r.detail}; the base matches it: the change moved it")
+        blamed.append(r)
+    return blamed
 
 
 def change_line(revisions: dict[str, Revision], checks: list[CheckResult], suite: SuiteSpec) -> str:
