@@ -56,6 +56,16 @@ def replace_in(path: str, old: str, new: str) -> Callable[[Path], None]:
     return edit
 
 
+def append_to(path: str, line: str) -> Callable[[Path], None]:
+    """An edit that appends ``line`` to the file at ``path`` (relative to the repository)."""
+
+    def edit(root: Path) -> None:
+        with (root / path).open("a") as file:
+            file.write(line + "\n")
+
+    return edit
+
+
 # The reference's routed scaling factor applied twice: the router's weights scaled by its square.
 ROUTED_SCALING_TWICE = replace_in(
     "harness/reference/model.py",
@@ -66,3 +76,27 @@ ROUTED_SCALING_TWICE = replace_in(
 COMMENT_ONLY = replace_in(
     "harness/reference/model.py", "return ids, weights * self.scale\n", "return ids, weights * self.scale  # scaled\n"
 )
+
+# One eager arm of the reference whose router scales its weights (cpu-tiny's own factor is 1.0, which scaling
+# twice would leave as it is): the suite of the change and bisect tests.
+ONE_ARM_SUITE = """
+name = "change-one"
+description = "one eager arm of the reference"
+ranks = 2
+steps = 3
+[model]
+config = "cpu-tiny"
+routed_scaling_factor = 2.5
+[train]
+seed = 42
+routing = "forced-balanced"
+local_batch = 4
+seq_len = 32
+chunks = 2
+chunk_roots = "moe"
+chunk_dim = "batch"
+[arms.eager]
+chunking = "eager"
+[[checks]]
+kind = "ranks-agree"
+"""

@@ -6,114 +6,69 @@ from __future__ import annotations
 
 import hashlib
 import json
-import shutil
 import subprocess
 from pathlib import Path
 
 import pytest
+from git_repos import ONE_ARM_SUITE, ROUTED_SCALING_TWICE, GitRepo, append_to, copy_reference
 
 from harness.bisect import max_probes, pick
 
-REPO = Path(__file__).resolve().parents[2]
-SUITE = """\
-name = "change-one"
-description = "one eager arm"
-ranks = 2
-steps = 3
-[model]
-config = "cpu-tiny"
-routed_scaling_factor = 2.5
-[train]
-seed = 42
-routing = "forced-balanced"
-local_batch = 4
-seq_len = 32
-chunks = 2
-chunk_roots = "moe"
-chunk_dim = "batch"
-[arms.eager]
-chunking = "eager"
-[[checks]]
-kind = "ranks-agree"
-"""
-MODEL = "harness/reference/model.py"
-ROUTING = "        return ids, weights * self.scale\n"
-PLANTED = "        return ids, weights * self.scale * self.scale\n"
 BROKEN = "harness/reference/broken.py"
 
 
-def _git(repo: Path, *args: str) -> str:
-    config = ("-c", "user.name=bisect test", "-c", "user.email=bisect@test.invalid", "-c", "commit.gpgsign=false")
-    done = subprocess.run(["git", "-C", str(repo), *config, *args], capture_output=True, text=True, check=True)
-    return done.stdout
-
-
-def _commit(repo: Path, title: str) -> None:
-    _git(repo, "add", "-A")
-    _git(repo, "commit", "-q", "-m", title)
-
-
-def _append(repo: Path, path: str, line: str) -> None:
-    with (repo / path).open("a") as f:
-        f.write(line + "\n")
-
-
-def _history(repo: Path, commits: int) -> None:
+def _history(repo: GitRepo, commits: int) -> None:
     """A repository holding the reference package: commit 1 copies it, each later one appends a comment,
     but commit 7 adds a module that does not compile, commit 8 removes it, commit 9 plants a numerics
     change (the routing weights scaled twice)."""
-    repo.mkdir()
-    _git(repo, "init", "-q")
-    shutil.copytree(
-        REPO / "harness" / "reference", repo / "harness" / "reference", ignore=shutil.ignore_patterns("__pycache__")
-    )
-    _commit(repo, "copy the reference")
+    repo.commit("copy the reference", copy_reference)
     for k in range(2, commits + 1):
         if k == 7:
-            (repo / BROKEN).write_text("def broken(:\n")
-            _commit(repo, "add broken.py, which does not compile")
+            repo.commit(
+                "add broken.py, which does not compile", lambda root: (root / BROKEN).write_text("def broken(:\n")
+            )
         elif k == 8:
-            (repo / BROKEN).unlink()
-            _commit(repo, "remove broken.py")
+            repo.commit("remove broken.py", lambda root: (root / BROKEN).unlink())
         elif k == 9:
-            model = (repo / MODEL).read_text()
-            assert model.count(ROUTING) == 1
-            (repo / MODEL).write_text(model.replace(ROUTING, PLANTED))
-            _commit(repo, "scale the routing weights twice")
+            repo.commit("scale the routing weights twice", ROUTED_SCALING_TWICE)
         else:
-            _append(repo, MODEL if k % 2 else "harness/reference/train.py", f"# comment {k}")
-            _commit(repo, f"comment {k}")
+            module = "model.py" if k % 2 else "train.py"
+            repo.commit(f"comment {k}", append_to(f"harness/reference/{module}", f"# comment {k}"))
 
 
 def _state(repo: Path) -> tuple[str, str, str]:
     """git status, HEAD, and a hash of every file of the working tree and of the index."""
-    status = _git(repo, "status", "--porcelain", "--untracked-files=all", "--ignored")
+    status = subprocess.run(
+        ["git", "-C", str(repo), "status", "--porcelain", "--untracked-files=all", "--ignored"],
+        capture_output=True, text=True, check=True,
+    ).stdout  # fmt: skip
     digest = hashlib.sha256()
     for path in sorted(p for p in repo.rglob("*") if p.is_file() and ".git" not in p.relative_to(repo).parts):
         digest.update(str(path.relative_to(repo)).encode() + b"\0" + path.read_bytes() + b"\0")
     digest.update((repo / ".git" / "index").read_bytes())
     digest.update((repo / ".git" / "HEAD").read_bytes())
-    return status, _git(repo, "rev-parse", "HEAD"), digest.hexdigest()
+    head = subprocess.run(["git", "-C", str(repo), "rev-parse", "HEAD"], capture_output=True, text=True, check=True)
+    return status, head.stdout, digest.hexdigest()
 
 
 def test_bisect_names_the_commit_that_changed_the_numerics_skipping_one_that_does_not_build(
     run_harness, tmp_path: Path
 ) -> None:
-    repo, out, suite = tmp_path / "repo", tmp_path / "bisect", tmp_path / "change-one.toml"
+    repo, out, suite = GitRepo(tmp_path / "repo"), tmp_path / "bisect", tmp_path / "change-one.toml"
     _history(repo, 16)
-    suite.write_text(SUITE)
-    shas = _git(repo, "rev-list", "--reverse", "HEAD").split()
+    suite.write_text(ONE_ARM_SUITE)
+    shas = repo.git("rev-list", "--reverse", "HEAD").split()
     culprit, broken = shas[8], shas[6]  # commits 9 and 7
-    before = _state(repo)
+    before = _state(repo.root)
 
     result = run_harness(
-        "bisect", suite, "--good", shas[0], "--bad", "HEAD", "--source", repo, "--steps", 2, "--ranks", 2,
+        "bisect", suite, "--good", shas[0], "--bad", "HEAD", "--source", repo.root, "--steps", 2, "--ranks", 2,
         "--golden", "off", "--out", out,
         env={"XDG_CACHE_HOME": tmp_path / "cache"}, timeout=600,
     )  # fmt: skip
 
     assert result.returncode == 0, result.stdout + result.stderr
-    assert _state(repo) == before
+    assert _state(repo.root) == before
     assert f"first bad commit: {culprit} scale the routing weights twice" in result.stdout
     assert "bisect: 15 candidates" in result.stdout
     log = json.loads((out / "bisect.json").read_text())
@@ -140,11 +95,11 @@ def test_bisect_names_the_commit_that_changed_the_numerics_skipping_one_that_doe
 
 
 def test_good_not_an_ancestor_of_bad_is_one_line_exit_2(harness_main, tmp_path: Path) -> None:
-    repo, suite = tmp_path / "repo", tmp_path / "change-one.toml"
+    repo, suite = GitRepo(tmp_path / "repo"), tmp_path / "change-one.toml"
     _history(repo, 3)
-    suite.write_text(SUITE)
+    suite.write_text(ONE_ARM_SUITE)
     result = harness_main(
-        "bisect", suite, "--good", "HEAD", "--bad", "HEAD~2", "--source", repo, "--out", tmp_path / "b"
+        "bisect", suite, "--good", "HEAD", "--bad", "HEAD~2", "--source", repo.root, "--out", tmp_path / "b"
     )
     assert result.returncode == 2
     assert result.stderr.count("\n") == 1 and "is not an ancestor of --bad HEAD~2" in result.stderr
@@ -153,13 +108,13 @@ def test_good_not_an_ancestor_of_bad_is_one_line_exit_2(harness_main, tmp_path: 
 
 @pytest.mark.parametrize("flag", ["--good", "--bad"])
 def test_a_revision_that_does_not_resolve_is_exit_2(harness_main, tmp_path: Path, flag: str) -> None:
-    repo, suite = tmp_path / "repo", tmp_path / "change-one.toml"
+    repo, suite = GitRepo(tmp_path / "repo"), tmp_path / "change-one.toml"
     _history(repo, 2)
-    suite.write_text(SUITE)
+    suite.write_text(ONE_ARM_SUITE)
     revisions = {"--good": "HEAD~1", "--bad": "HEAD", flag: "no-such-rev"}
-    result = harness_main("bisect", suite, *[x for item in revisions.items() for x in item], "--source", repo)
+    result = harness_main("bisect", suite, *[x for item in revisions.items() for x in item], "--source", repo.root)
     assert result.returncode == 2
-    assert result.stderr == f"error: {flag} no-such-rev: does not resolve to a commit in {repo.resolve()}\n"
+    assert result.stderr == f"error: {flag} no-such-rev: does not resolve to a commit in {repo.root.resolve()}\n"
 
 
 def test_the_next_probe_is_the_midpoint_or_past_skipped_ones_the_nearest_later_first() -> None:

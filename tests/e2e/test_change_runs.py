@@ -10,32 +10,10 @@ from pathlib import Path
 from typing import NamedTuple
 
 import pytest
-from git_repos import COMMENT_ONLY, ROUTED_SCALING_TWICE, GitRepo, copy_reference, replace_in
+from git_repos import COMMENT_ONLY, ONE_ARM_SUITE, ROUTED_SCALING_TWICE, GitRepo, copy_reference, replace_in
 
 from harness.verdict import EXIT_FAIL, EXIT_PASS, EXIT_USAGE
 
-# One eager arm whose router scales its weights (cpu-tiny's factor is 1.0: scaling twice would change nothing).
-ONE_ARM = """
-name = "change-one"
-description = "one eager arm of the reference"
-ranks = 2
-steps = 3
-[model]
-config = "cpu-tiny"
-routed_scaling_factor = 2.5
-[train]
-seed = 42
-routing = "forced-balanced"
-local_batch = 4
-seq_len = 32
-chunks = 2
-chunk_roots = "moe"
-chunk_dim = "batch"
-[arms.eager]
-chunking = "eager"
-[[checks]]
-kind = "ranks-agree"
-"""
 # Every step sleeps 30% of its own time after it.
 SLOW_STEP = replace_in(
     "harness/reference/train.py",
@@ -66,7 +44,7 @@ def history(tmp_path_factory: pytest.TempPathFactory) -> History:
     repo.git("checkout", "-q", "main")
     comment = repo.commit("model: a comment", COMMENT_ONLY)
     suite = root / "change-one.toml"
-    suite.write_text(ONE_ARM)
+    suite.write_text(ONE_ARM_SUITE)
     return History(repo, shipped, comment, scaling_twice, slow, suite)
 
 
@@ -169,6 +147,6 @@ def test_a_source_without_the_subjects_package_is_refused(harness_main, tmp_path
 
 def test_a_change_table_with_an_unknown_tier_is_refused(harness_main, tmp_path: Path) -> None:
     path = tmp_path / "suite.toml"
-    path.write_text(ONE_ARM + '\n[change]\nkind = "roughly"\n')
+    path.write_text(ONE_ARM_SUITE + '\n[change]\nkind = "roughly"\n')
     run = harness_main("run", path)
     assert run.returncode == EXIT_USAGE and "suite.toml: change: " in run.stderr and "roughly" in run.stderr
