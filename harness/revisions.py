@@ -236,8 +236,8 @@ def _working_tree(source: Source, repo_path: str) -> tuple[dict[str, bytes], str
     files = {}
     for name in filter(None, listed.split("\0")):
         path = source.repo / name
-        if not path.is_file() or path.is_symlink():
-            continue  # deleted in the working tree, or a link (git archive would not follow it either)
+        if not path.is_file() or path.is_symlink() or "__pycache__" in Path(name).parts:
+            continue  # deleted in the working tree, a link (git archive would not follow it), or bytecode
         try:
             check_path(path)
         except TrustError as e:
@@ -245,7 +245,7 @@ def _working_tree(source: Source, repo_path: str) -> tuple[dict[str, bytes], str
         files[_below(name, repo_path)] = path.read_bytes()
     changes = source.git("status", "--porcelain", "--untracked-files=all", "--", repo_path, what="--head")
     dirty = None
-    if changes.strip():
+    if any("__pycache__" not in line for line in changes.splitlines()):
         listing = json.dumps({p: hashlib.sha256(d).hexdigest() for p, d in sorted(files.items())})
         dirty = hashlib.sha256(listing.encode()).hexdigest()
     return files, dirty

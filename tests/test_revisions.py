@@ -61,8 +61,11 @@ def test_a_commit_is_materialised_from_git_with_the_sha256_of_each_file(repo: Gi
     assert core.read_text() == "VERSION = 'one'\n"
     assert first.files["core.py"] == hashlib.sha256(core.read_bytes()).hexdigest()
     assert first.describe() == f"HEAD~1 ({first.sha[:7]})"
-    # The working tree is the head by default: clean, it is HEAD's commit; changed, it says so.
-    assert materialise(source, "head", None, "--head", tmp_path / "cache").dirty is None
+    # The working tree is the head by default: clean, it is HEAD's commit (bytecode aside); changed, it says so.
+    (repo.root / PACKAGE / "__pycache__").mkdir()
+    (repo.root / PACKAGE / "__pycache__" / "core.cpython-311.pyc").write_bytes(b"not source")
+    clean = materialise(source, "head", None, "--head", tmp_path / "cache")
+    assert clean.dirty is None and "__pycache__/core.cpython-311.pyc" not in clean.files
     (repo.root / PACKAGE / "core.py").write_text("VERSION = 'three'\n")
     head = materialise(source, "head", None, "--head", tmp_path / "cache")
     assert head.spec == WORKING_TREE and head.dirty and head.short == f"{head.sha[:7]}, +dirty"
