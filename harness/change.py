@@ -115,10 +115,10 @@ def blame_base(
     failing = {r.name for r in results if r.status == "fail" and r.kind != KIND}
     if not failing:
         return results
-    head = suite.at_head()
-    at_base = RunRecords({arm: records[base_arm(arm)] for arm in head.arms if base_arm(arm) in records})
+    head = [arm for arm, spec in suite.arms.items() if spec.revision != BASE]
+    at_base = RunRecords({arm: records[base_arm(arm)] for arm in head if base_arm(arm) in records})
     own = [check for check in checks if check.kind != KIND]
-    base_failed = {r.name for check in own for r in run_check(check, head, at_base) if r.status == "fail"}
+    base_failed = {r.name for check in own for r in run_check(check, suite, at_base) if r.status == "fail"}
     blamed = []
     for r in results:
         if r.name in failing and r.name in base_failed:

@@ -28,6 +28,7 @@ from harness.golden import (
     write_golden,
 )
 from harness.results import CheckResult
+from harness.revisions import BASE
 
 if TYPE_CHECKING:
     from harness.manifest import Manifest
@@ -133,7 +134,7 @@ def golden_config(suite: SuiteSpec) -> dict:
     Non-default fields only: a field the subject adds later leaves goldens comparable, while a
     changed default moves the numerics and shows up as a golden failure, as it should.
     """
-    arms = {a.name: {"ranks": a.ranks, "config": a.golden_config} for a in suite.arms.values()}
+    arms = {a.name: {"ranks": a.ranks, "config": a.golden_config} for a in suite.arms.values() if a.revision != BASE}
     return {"steps": suite.steps, "arms": arms}
 
 

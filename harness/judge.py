@@ -19,7 +19,6 @@ from dataclasses import dataclass
 from harness.cancel import Cancelled
 from harness.change import judge_change
 from harness.checks import run_check
-from harness.checks.change import KIND as CHANGE_KIND
 from harness.environment import CpuPin
 from harness.launchers import LaunchResult
 from harness.launching import Launched
@@ -145,13 +144,6 @@ def collect_checks(
 
 
 def _run(planned: list[CheckSpec], suite: SuiteSpec, records: RunRecords) -> list[CheckResult]:
-    """The planned checks; the suite's own and its golden's judge its head arms alone (a change
-    check's base arms are for the ``change`` checks, harness/checks/change.py), and a failure that
-    the base arms fail too is the base's (judged in :func:`judge`, :func:`harness.change.judge_change`)."""
-    head = suite.at_head()
-    results = [
-        result
-        for check in planned
-        for result in run_check(check, suite if check.kind == CHANGE_KIND else head, records)
-    ]
-    return results
+    """The planned checks, each on the arms it names: the suite's own and its golden's name the arms
+    the suite was written with (a change check's head arms), its ``change`` checks both sides."""
+    return [result for check in planned for result in run_check(check, suite, records)]

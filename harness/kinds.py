@@ -42,7 +42,7 @@ class TrainingRun:
 
     def checks(self, golden: GoldenPlan, groups: list[LaunchGroup]) -> list[CheckSpec]:
         """The suite's [[checks]] and the golden's (none when ``--golden update`` records it instead)."""
-        return [*self.suite.checks, *filter(None, [golden_check(golden, self.suite.at_head())])]
+        return [*self.suite.checks, *filter(None, [golden_check(golden, self.suite)])]
 
     def progress(self, run_dir: Path, groups: list[LaunchGroup], out: TextIO, verbose: bool) -> Progress:
         """Per arm, in the order the groups run them: step k of N and the loss."""

@@ -139,7 +139,7 @@ def prepare_run(
     groups = kind.launches()
     pin = cpu_pin(options.cpu_isa) if options.device == "cpu" else None
     key = run_env_key(options.device, suite.dtype, pin)
-    config, rebless = golden_config(suite.at_head()), rebless_command(options.command, suite)
+    config, rebless = golden_config(suite), rebless_command(options.command, suite)
     golden = plan_golden(
         suite.name,
         config,

@@ -13,7 +13,6 @@ from pathlib import Path
 from typing import Any
 
 from harness.families import ArmFacts
-from harness.revisions import BASE
 
 
 @dataclass(frozen=True)
@@ -189,9 +188,3 @@ class SuiteSpec:
             subject=raw["subject"],
             change_tier=raw["change_tier"],
         )
-
-    def at_head(self) -> SuiteSpec:
-        """The suite as the user wrote it, without a change check's base arms: what its own checks
-        and its golden judge."""
-        head = {name: arm for name, arm in self.arms.items() if arm.revision != BASE}
-        return self if len(head) == len(self.arms) else dataclasses.replace(self, arms=head)

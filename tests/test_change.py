@@ -11,6 +11,8 @@ import pytest
 from suite_files import suite_from
 
 from harness.change import blame_base, change_line, change_suite
+from harness.checks.golden import golden_check
+from harness.golden_plan import golden_config, plan_golden
 from harness.judge import record_checks  # noqa: F401  (judge imports the check families)
 from harness.plan import plan_launches
 from harness.records import ArmRecords, RankLine, RunRecords
@@ -43,7 +45,8 @@ def _revision(label: str, spec: str, sha: str, dirty: str | None = None) -> Revi
     return Revision(label, spec, sha, "title", dirty, "harness.reference", "harness/reference", "/nowhere")
 
 
-def test_every_arm_runs_at_both_revisions_in_launches_of_its_own_revision(suite) -> None:
+def test_every_arm_runs_at_both_revisions_in_launches_of_its_own_revision(suite, tmp_path: Path) -> None:
+    plan = plan_golden(suite.name, {}, "cpu-gloo-float32-torch2.13", "off", tmp_path / "golden", {})
     changed = change_suite(suite)
     assert {name: arm.revision for name, arm in changed.arms.items()} == {
         "eager": "head", "graph": "head", "eager@base": "base", "graph@base": "base"
@@ -56,7 +59,8 @@ def test_every_arm_runs_at_both_revisions_in_launches_of_its_own_revision(suite)
         (("eager", "graph"), "head"),
         (("eager@base", "graph@base"), "base"),
     ]
-    assert changed.at_head().arms == {n: dataclasses.replace(a, revision="head") for n, a in suite.arms.items()}
+    # The golden is of the arms the suite was written with: its config and its check leave the base out.
+    assert golden_config(changed)["arms"].keys() == {"eager", "graph"} == set(golden_check(plan, changed).arms)
 
 
 def test_the_opening_line_says_both_revisions_and_how_they_compared(suite) -> None:

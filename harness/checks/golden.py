@@ -28,6 +28,7 @@ from harness.golden import Golden, fingerprint_changes
 from harness.golden_plan import GoldenPlan
 from harness.records import RunRecords
 from harness.results import DRIFT, REGRESSION, CheckResult
+from harness.revisions import BASE
 from harness.specs import ArmSpec, CheckSpec, SuiteSpec
 from harness.subject.protocol import METRICS, SuiteReader
 
@@ -35,10 +36,12 @@ KIND = "golden"
 
 
 def golden_check(plan: GoldenPlan, suite: SuiteSpec) -> CheckSpec | None:
-    """The golden check of a run with ``plan`` (None when it updates the golden instead)."""
+    """The golden check of a run with ``plan`` (None when it updates the golden instead), of the arms
+    the suite was written with (not a change check's base arms, harness/change.py)."""
     if plan.mode == "update":
         return None
-    return CheckSpec(KIND, KIND, tuple(suite.arms), options={"plan": plan})
+    arms = tuple(arm for arm, spec in suite.arms.items() if spec.revision != BASE)
+    return CheckSpec(KIND, KIND, arms, options={"plan": plan})
 
 
 def parse(kind: str, raw: dict, dotted: str, v: SuiteReader, arms: dict[str, ArmSpec]) -> CheckSpec:
@@ -49,7 +52,7 @@ def run(check: CheckSpec, suite: SuiteSpec, records: RunRecords) -> list[CheckRe
     plan: GoldenPlan = check.options["plan"]
     if plan.mode == "off":
         return [CheckResult(KIND, KIND, "skip", plan.note or "not compared")]
-    metrics = {arm: rec.metrics for arm, rec in records.items() if arm in suite.arms}
+    metrics = {arm: rec.metrics for arm, rec in records.items() if arm in check.arms}
     return golden_checks(plan, metrics, suite.steps, suite.golden_cross_env)
 
 
