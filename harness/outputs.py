@@ -158,7 +158,10 @@ def _change(run: PreparedRun, judged: Judgement) -> dict[str, Any] | None:
         return None
     base = run.base.line if run.base else None
     revisions = {label: r.to_dict() for label, r in revisions.items()}
-    return {"line": judged.change_line, "revisions": revisions, "base_records": base}
+    # The first op where the two revisions part, where the op-level re-run located it (first_op.py).
+    located = [c.extra["first_op_divergence"]["line"] for c in judged.checks if "first_op_divergence" in c.extra]
+    line = "; ".join([judged.change_line or "not judged", *located[:1]])
+    return {"line": line, "revisions": revisions, "base_records": base}
 
 
 def _launch_summary(result: LaunchResult) -> dict:
