@@ -73,6 +73,10 @@ def test_a_comment_only_commit_passes_parity_with_every_change_check_bitwise(
     manifest = json.loads((out / "manifest.json").read_text())
     assert {g["revision"] for g in manifest["launches"]} <= {"base", "head"}
     assert manifest["revisions"]["base"]["sha"] == history.shipped
+    # The same change as a CI gate passes too, its base's records reused from the run above.
+    gate = tmp_path / "gate"
+    ci = run_harness("ci", "parity", "--steps", 3, "--base", "HEAD~1", "--source", history.repo.root, "--out", gate)
+    assert ci.returncode == EXIT_PASS and "base: records of 3 arms reused" in ci.stdout, ci.stdout + ci.stderr
 
 
 def test_a_planted_numerics_change_fails_naming_the_step_the_parameter_and_the_op(
