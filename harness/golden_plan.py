@@ -68,6 +68,7 @@ class GoldenPlan:
     def shown(self, path: Path) -> str:
         return shown_path(path, self.root or path.parent.parent)
 
+    @property
     def record(self) -> dict:
         """manifest.json's ``golden``: the plan with absolute paths, as ``harness collect`` reloads it."""
         return {

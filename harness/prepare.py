@@ -177,7 +177,7 @@ def prepare_run(
             env_key=key,
             golden_config=config,  # what its golden is recorded for
             launches=groups,
-            golden=golden.record(),
+            golden=golden.record,
             timeout_s=options.timeout_s,
             trace_cache=str(trace_cache) if trace_cache else None,
             revisions=options.revisions,

@@ -334,7 +334,7 @@ def test_golden_of_another_environment_is_checked_at_the_cross_env_tier(tmp_path
     )
     summary = plan.summary(plan.outcome(results))
     assert (summary["missing_for_this_environment"], summary["compared_env_key"]) == (True, NATIVE)
-    assert GoldenPlan.from_record(plan.record()).missing  # harness collect says it too
+    assert GoldenPlan.from_record(plan.record).missing  # harness collect says it too
     drifted.loc[3, "loss"] *= 1 + 1e-3  # a real change: caught
     failed = [r for r in golden_checks(plan, {"eager": drifted, "graph": frame()}, steps=5) if r.status == "fail"]
     assert [r.name for r in failed] == ["golden:eager:loss"] and failed[0].first_divergent_step == 3
@@ -359,7 +359,7 @@ def test_an_update_diffs_against_the_golden_it_replaces_as_read_when_it_writes(t
         command=["harness", "golden", "update", "parity"], created="2026-01-01T00:00:00Z", suite=suite.to_dict(),
         versions={"torch": "2.13.0+cpu", "harness": "0.1.0", "git_sha": "abc123"}, device="cpu",
         device_class="cpu-pinned-avx2", cpu_isa=None, backend="gloo", ranks=2, seed=[0], env_key=PINNED,
-        golden_config=golden_config(suite), launches=[], golden=plan.record(), timeout_s=60.0, trace_cache=None,
+        golden_config=golden_config(suite), launches=[], golden=plan.record, timeout_s=60.0, trace_cache=None,
     )  # fmt: skip
     metrics = {arm: frame() for arm in suite.arms}
     plan.path.parent.mkdir(parents=True)
@@ -454,7 +454,7 @@ def test_a_bitwise_failure_within_the_cross_env_tier_in_another_environment_is_d
     )
     assert drift.extra["environment"] == {"changed": [f"torch {NIGHTLY} -> 2.13.0+cpu"], "unrecorded": []}
     assert drift.extra["cross_env"]["status"] == "pass"
-    recorded = plan_golden("parity", CONFIG, PINNED, "check", tmp_path, CROSS_ENV, RUN_ENV).record()
+    recorded = plan_golden("parity", CONFIG, PINNED, "check", tmp_path, CROSS_ENV, RUN_ENV).record
     assert GoldenPlan.from_record(json.loads(json.dumps(recorded))).fingerprint == RUN_ENV  # harness collect's
 
 
