@@ -121,13 +121,19 @@ def _fp32_experts(self: GroupedExperts, x_RD: torch.Tensor, num_tokens_per_exper
     return mm(F.silu(mm(x_RD, self.w1_EFD)) * mm(x_RD, self.w3_EFD), self.w2_EDF)
 
 
-def build(config: titan.DeepSeekV3Model.Config, fp32_experts: bool = True) -> torch.nn.Module:
-    """torchtitan's model of ``config``, its routed experts in fp32 unless ``fp32_experts`` is False."""
+def build(config: titan.DeepSeekV3Model.Config, fp32: bool = True) -> torch.nn.Module:
+    """torchtitan's model of ``config``, its routed experts in fp32 unless ``fp32`` is False."""
     model = config.build()
-    for module in model.modules():
-        if fp32_experts and isinstance(module, GroupedExperts):
-            module.forward = _fp32_experts.__get__(module)
+    if fp32:
+        fp32_experts(model)
     return model
+
+
+def fp32_experts(model: torch.nn.Module) -> None:
+    """Run ``model``'s routed experts in fp32: torchtitan's grouped matmuls without their bf16 casts."""
+    for module in model.modules():
+        if isinstance(module, GroupedExperts):
+            module.forward = _fp32_experts.__get__(module)
 
 
 def shard_experts(config: titan.DeepSeekV3Model.Config) -> None:

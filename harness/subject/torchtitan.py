@@ -46,12 +46,15 @@ if TYPE_CHECKING:
 
 ROUTINGS = ("learned", "forced-balanced")
 EXPERTS = ("bf16", "fp32")
+TRAINERS = ("torchtitan", "model")
 
 
 @dataclass(frozen=True)
 class TitanConfig:
-    """One arm: the model's shape (a reference model config), routing, data and optimizer."""
+    """One arm: who trains (torchtitan's Trainer, or the harness's loop around torchtitan's model), the
+    model's shape (a reference model config), routing, data, optimizer and expert parallelism."""
 
+    trainer: str = "torchtitan"  # torchtitan's own Trainer (titan_trainer.py), or "model": the model alone
     model: str = "cpu-tiny"  # a reference model config name (harness.reference.model.CONFIGS)
     routing: str = "learned"  # or torchtitan's round-robin "forced-balanced"
     experts: str = "bf16"  # torchtitan's routed experts as shipped, or "fp32"
@@ -59,13 +62,19 @@ class TitanConfig:
     seq_len: int = 32
     lr: float = 1e-3
     max_norm: float = 1.0
+    warmup_steps: int = 2  # torchtitan's LR warmup (its debug recipe's); the model mode's LR is constant
+    ep: int = 0  # the trainer's expert-parallel degree; 0: every rank (the model mode's only layout)
     seed: int = 42
 
     def __post_init__(self) -> None:
+        if self.trainer not in TRAINERS:
+            raise ValueError(f"trainer must be one of {TRAINERS}, got {self.trainer!r}")
         if self.routing not in ROUTINGS:
             raise ValueError(f"routing must be one of {ROUTINGS}, got {self.routing!r}")
         if self.experts not in EXPERTS:
             raise ValueError(f"experts must be one of {EXPERTS}, got {self.experts!r}")
+        if self.ep < 0 or (self.ep and self.trainer == "model"):
+            raise ValueError(f"ep is torchtitan's trainer's expert-parallel degree (0: every rank), got {self.ep}")
         from harness.reference.model import CONFIGS
 
         if self.model not in CONFIGS:
@@ -100,7 +109,7 @@ class TitanArm(protocol.ArmBase):
             titan.shard_experts(spec)
         self.names = titan.Names(spec)
         # The same initialisation on every process (the harness seeded it): experts shard it after.
-        self.model = titan.build(spec, fp32_experts=self.config.experts == "fp32")
+        self.model = titan.build(spec, fp32=self.config.experts == "fp32")
         self.model.init_states(buffer_device=self.device)
         self.model.to(self.device)
         if self.world > 1:
@@ -108,51 +117,15 @@ class TitanArm(protocol.ArmBase):
         self.model.train()
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=self.config.lr, foreach=False)
         self.moe_layers = [layer for layer in range(self.cfg.num_hidden_layers) if self.cfg.is_moe_layer(layer)]
-        self.step_number = 0
-        self._seq = 0
+        self.exchanges = ExchangeEvents(self.model, self.moe_layers, self.recorder, self.rank)
         if self.recorder is not None and self.world > 1:
-            self._record_exchanges()
-
-    def _record_exchanges(self) -> None:
-        """A launch event around each MoE layer's forward dispatch and combine all-to-all."""
-        for layer in self.moe_layers:
-            dispatcher = self.model.layers[str(layer)].moe.routed_experts.token_dispatcher
-            dispatch, combine = dispatcher._dispatch_token_exchange, dispatcher._combine_token_exchange
-
-            def dispatched(x, pg, output_splits, input_splits, layer=layer, send=dispatch):
-                self._launch("dispatch", layer, input_splits, output_splits)
-                return send(x, pg, output_splits, input_splits)
-
-            def combined(x, pg, input_splits, output_splits, layer=layer, send=combine):
-                self._launch("combine", layer, output_splits, input_splits)
-                return send(x, pg, input_splits, output_splits)
-
-            dispatcher._dispatch_token_exchange = dispatched
-            dispatcher._combine_token_exchange = combined
-
-    def _launch(self, name: str, layer: int, send: list[int], recv: list[int]) -> None:
-        event = {
-            "step": self.step_number,
-            "phase": "fwd",
-            "layer": layer,
-            "chunk": 0,
-            "kind": name,
-            "op": "launch",
-            "name": name,
-            "buffer_set": 0,  # torchtitan allocates each exchange's output: no sets to rotate
-            "seq": self._seq,
-            "rows": sum(recv),
-            "send_counts": list(send),
-            "recv_counts": list(recv),
-        }
-        self._seq += 1
-        self.recorder.exchange_event(self.rank, event)
+            self.exchanges.record()
 
     def step(self, step: int) -> protocol.StepRecord:
         from harness.oracles.lockstep import clip_grad_norm
 
         start = time.perf_counter()
-        self.step_number = step
+        self.exchanges.step = step
         inputs, labels = (t.to(self.device) for t in synthetic_batch(self.config, self.cfg.vocab_size, step, self.rank))
         loss = F.cross_entropy(self.model(inputs).flatten(0, 1).float(), labels.flatten()) / self.world
         loss.backward()
@@ -161,7 +134,7 @@ class TitanArm(protocol.ArmBase):
         for tensor in [loss, *dense]:  # the expert shards' gradients came back through the all-to-all
             dist.all_reduce(tensor)
         if self.recorder is not None:
-            self.recorder.gradients(self.rank, step, self._named(_grad))
+            self.recorder.gradients(self.rank, step, self._named(grad_or_zeros))
         grad_norm = float(clip_grad_norm(self.model, self.config.max_norm))
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
@@ -188,9 +161,53 @@ class TitanArm(protocol.ArmBase):
         return {self.rank: self._named(lambda p: p)}
 
 
-def _grad(param: torch.Tensor) -> torch.Tensor:
+def grad_or_zeros(param: torch.Tensor) -> torch.Tensor:
     """A parameter's gradient; zeros for one the loss did not reach."""
     return param.grad if param.grad is not None else torch.zeros_like(param)
+
+
+class ExchangeEvents:
+    """A launch event around each MoE layer's forward dispatch and combine all-to-all of torchtitan's
+    ``AllToAllTokenDispatcher`` (rows sent to and received from each rank), taken by wrapping its
+    exchange methods; ``step`` is the step the events belong to, set by the arm."""
+
+    def __init__(self, model: torch.nn.Module, layers: list[int], recorder: protocol.Recorder | None, rank: int):
+        self.model, self.layers, self.recorder, self.rank = model, layers, recorder, rank
+        self.step, self._seq = 0, 0
+
+    def record(self) -> None:
+        for layer in self.layers:
+            dispatcher = self.model.layers[str(layer)].moe.routed_experts.token_dispatcher
+            dispatch, combine = dispatcher._dispatch_token_exchange, dispatcher._combine_token_exchange
+
+            def dispatched(x, pg, output_splits, input_splits, layer=layer, send=dispatch):
+                self._launch("dispatch", layer, input_splits, output_splits)
+                return send(x, pg, output_splits, input_splits)
+
+            def combined(x, pg, input_splits, output_splits, layer=layer, send=combine):
+                self._launch("combine", layer, output_splits, input_splits)
+                return send(x, pg, input_splits, output_splits)
+
+            dispatcher._dispatch_token_exchange = dispatched
+            dispatcher._combine_token_exchange = combined
+
+    def _launch(self, name: str, layer: int, send: list[int], recv: list[int]) -> None:
+        event = {
+            "step": self.step,
+            "phase": "fwd",
+            "layer": layer,
+            "chunk": 0,
+            "kind": name,
+            "op": "launch",
+            "name": name,
+            "buffer_set": 0,  # torchtitan allocates each exchange's output: no sets to rotate
+            "seq": self._seq,
+            "rows": sum(recv),
+            "send_counts": list(send),
+            "recv_counts": list(recv),
+        }
+        self._seq += 1
+        self.recorder.exchange_event(self.rank, event)
 
 
 def arm_facts(config: TitanConfig) -> protocol.ArmFacts:
@@ -229,18 +246,29 @@ class Torchtitan(protocol.SubjectBase):
         # A rank that raises in here, in the model builder, or in torchtitan itself is the subject's.
         found = importlib.util.find_spec("torchtitan")
         titan = (Path(found.origin).parent,) if found is not None and found.origin else ()
-        self.source = (Path(__file__).resolve(), Path(oracles.__file__).resolve().parent / "torchtitan.py", *titan)
+        here = Path(__file__).resolve()
+        oracle = Path(oracles.__file__).resolve().parent / "torchtitan.py"
+        self.source = (here, here.parent / "titan_trainer.py", oracle, *titan)
 
     def parse_arms(self, tables: protocol.SuiteTables, reader: protocol.SuiteReader) -> dict[str, ArmSpec]:
         if problem := oracles.missing_dependency("torchtitan"):
             raise reader.error("subject", problem)
         positive = ("local_batch", "seq_len", "lr", "max_norm")
-        return dataclass_arms(
+        arms = dataclass_arms(
             tables, reader, TitanConfig, self.families, positive, subject=f'subject "{self.name}"', facts=arm_facts
         )
+        for name, arm in arms.items():
+            ep = arm.train.get("ep", 0)
+            if ep and arm.ranks % ep:
+                raise reader.error(f"arms.{name}.ep", f"{ep} does not divide the arm's {arm.ranks} ranks")
+        return arms
 
-    def build(self, context: protocol.ArmContext) -> TitanArm:
-        return TitanArm(context)
+    def build(self, context: protocol.ArmContext) -> protocol.Arm:
+        if TitanConfig(**context.arm.train).trainer == "model":
+            return TitanArm(context)
+        from harness.subject.titan_trainer import TitanTrainerArm
+
+        return TitanTrainerArm(context)
 
 
 def subject() -> Torchtitan:

@@ -45,7 +45,7 @@ def _torchtitan(
     """torchtitan's logits and gradients, under the reference's names, from the reference's weights."""
     config = titan_config(cfg, forced_balanced=forced_balanced, eps=eps)
     names = Names(config)
-    model = build(config, fp32_experts=fp32_experts)
+    model = build(config, fp32=fp32_experts)
     missing, unexpected = model.load_state_dict(names.to_titan(reference.state_dict()), strict=False)
     assert not unexpected and all(name.endswith("tokens_per_expert_E") for name in missing), (missing, unexpected)
     inputs, labels = _batch(cfg)

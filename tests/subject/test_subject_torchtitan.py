@@ -1,6 +1,6 @@
-"""torchtitan's own DeepSeek-V3 as the system under test (`subject = "torchtitan"`): its suites
-pass on 2 gloo ranks with its own expert parallelism, their checks fail on bugs planted in it, and
-what it cannot run is refused."""
+"""torchtitan as the system under test (`subject = "torchtitan"`): its suites pass on 2 gloo ranks
+with its own trainer and expert parallelism, their checks fail on bugs planted in it, in either
+mode (torchtitan's Trainer, or its model in the harness's loop), and what it cannot run is refused."""
 
 from __future__ import annotations
 
@@ -69,7 +69,7 @@ def test_the_pair_passes_and_fails_on_a_bug_in_the_change(run_harness, plant, tm
     assert loss["status"] == "fail" and loss["first_divergent_step"] == 1, loss
 
 
-# Rank 1 leaves one dense gradient unsummed: its replica drifts from rank 0's.
+# The model mode: rank 1 leaves one dense gradient unsummed: its replica drifts from rank 0's.
 UNSUMMED_ON_RANK_1 = """
 import types
 
@@ -91,10 +91,34 @@ subject.dist = types.SimpleNamespace(all_reduce=all_reduce, get_rank=dist.get_ra
 """
 
 
-def test_ranks_agree_fails_when_one_rank_skips_a_gradient_sum(run_harness, plant, tmp_path: Path) -> None:
+# torchtitan's trainer: rank 1's MoE load-balancing hook leaves its expert counts unsummed over the
+# ranks, so its expert biases, which every rank must hold alike, part from rank 0's.
+UNBALANCED_ON_RANK_1 = """
+import types
+
+import torch
+import torch.distributed as dist
+import torchtitan.components.optimizer.optimizer as optimizer
+
+
+def all_reduce(tensor, *args, **kwargs):
+    if dist.get_rank() == 1:
+        return dist.all_reduce(tensor.clone(), *args, **kwargs)  # the collective still runs
+    return dist.all_reduce(tensor, *args, **kwargs)
+
+
+distributed = types.SimpleNamespace(**{**vars(dist), "all_reduce": all_reduce})
+optimizer.torch = types.SimpleNamespace(**{**vars(torch), "distributed": distributed})
+"""
+
+
+@pytest.mark.parametrize(
+    ("mode", "bug"), [("torchtitan", UNBALANCED_ON_RANK_1), ("model", UNSUMMED_ON_RANK_1)], ids=["trainer", "model"]
+)
+def test_ranks_agree_fails_when_one_rank_skips_a_sum(run_harness, plant, tmp_path: Path, mode: str, bug: str) -> None:
     out = tmp_path / "run"
-    args = ("--ranks", 2, "--steps", 2, "--out", out)
-    run = run_harness("run", "torchtitan-determinism", *args, env=plant(UNSUMMED_ON_RANK_1), timeout=600)
+    args = ("--ranks", 2, "--steps", 2, "--set", f"trainer={mode}", "--out", out)
+    run = run_harness("run", "torchtitan-determinism", *args, env=plant(bug), timeout=600)
     assert run.returncode == 1, run.stdout + run.stderr
     agree = _checks(run, out)["run: ranks-agree"]
     assert agree["status"] == "fail" and "logical rank 1" in agree["detail"], agree
@@ -121,9 +145,11 @@ model = "cpu-tiny"
             "FILE: arms.a.experts: experts must be one of ('bf16', 'fp32'), got",
         ),
         ('model = "cpu-tiny"', 'model = "cpu-huge"', "FILE: train.model: model must be one of ['cpu-tiny',"),
-        ("[arms.a]", "[arms.a]\nchunks = 2", "FILE: arms.a.chunks: unknown key (allowed: ranks, model,"),
+        ("[arms.a]", "[arms.a]\nchunks = 2", "FILE: arms.a.chunks: unknown key (allowed: ranks, trainer, model,"),
+        ("[arms.a]", "[arms.a]\nep = 3", "FILE: arms.a.ep: 3 does not divide the arm's 2 ranks"),
+        ("[arms.a]", '[arms.a]\ntrainer = "model"\nep = 2', "FILE: arms.a.ep: ep is torchtitan's trainer's"),
     ],
-    ids=["experts", "model", "unknown-field"],
+    ids=["experts", "model", "unknown-field", "ep", "ep-in-model-mode"],
 )
 def test_bad_arms_are_refused_naming_the_field(tmp_path: Path, old: str, new: str, expected: str) -> None:
     message = suite_error(tmp_path, SUITE.replace(old, new))
