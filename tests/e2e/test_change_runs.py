@@ -113,8 +113,9 @@ def test_a_planted_slowdown_fails_the_abba_gate_of_head_against_base(
     out = tmp_path / "run"
     change = ("--base", history.shipped, "--head", history.slow, "--source", history.repo.root, "--arm", "eager")
     # "Is my branch slower at all?": any slowdown with confidence fails. Each block position is a launch of its
-    # own (a process imports one revision), so positions of 20 steps average out a busy machine's spells.
-    timing = ("--ranks", 1, "--steps", 20, "--warmup", 2, "--max-blocks", 16, "--budget-s", 300, "--max-slowdown", 0)
+    # own (a process imports one revision) that costs some 5 s to start: positions of 100 steps (3 s) average
+    # out a busy machine's spells, and decide in about 5 blocks where positions of 20 steps took 9.
+    timing = ("--ranks", 1, "--steps", 100, "--warmup", 2, "--max-blocks", 12, "--budget-s", 300, "--max-slowdown", 0)
     run = run_harness("abba", history.suite, *change, *timing, "--out", out, timeout=500)
     assert run.returncode == EXIT_FAIL, run.stdout + run.stderr
     measured = _summary(out)["throughput"]
