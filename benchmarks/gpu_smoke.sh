@@ -97,7 +97,7 @@ elif [ "$gpus" -ge 2 ]; then
   report "gpu-gate.yml gate on 2 GPUs" $? "$OUT/gate"
   harness run torchtitan-determinism --ranks 2 --device cuda --steps "$STEPS" --golden off \
     --out "$OUT/torchtitan" >"$OUT/torchtitan.log" 2>&1
-  report "torchtitan-determinism: torchtitan's own EP over 2 GPUs (nccl)" $? "$OUT/torchtitan"
+  report "torchtitan-determinism: torchtitan's own trainer, FSDP and EP over 2 GPUs (nccl)" $? "$OUT/torchtitan"
 else
   echo "SKIP gpu-gate.yml gate (needs 2 GPUs, $gpus visible)"
   echo "SKIP torchtitan-determinism with torchtitan's own EP (needs 2 GPUs, $gpus visible)"

@@ -42,10 +42,10 @@ _TITAN_EXPERTS = re.compile(r"layers\.(\d+)\.moe\.routed_experts\.inner_experts\
 
 
 def titan_config(
-    cfg: DeepseekV3Config, forced_balanced: bool = False, eps: float | None = None
+    cfg: DeepseekV3Config, forced_balanced: bool = False, eps: float | None = None, comm_backend: str = "standard"
 ) -> titan.DeepSeekV3Model.Config:
     """The torchtitan model config of a reference config (default RoPE only); ``eps`` replaces the
-    config's RMSNorm eps (to show that it matters)."""
+    config's RMSNorm eps (to show that it matters); ``comm_backend`` is torchtitan's token dispatcher."""
     if cfg.rope_type != "default":
         raise ValueError(f"rope_type {cfg.rope_type!r}: torchtitan does not scale cos/sin for YaRN")
     layers = titan.build_mla_moe_layers(
@@ -70,7 +70,7 @@ def titan_config(
         router_route_scale=cfg.routed_scaling_factor,
         router_route_norm=cfg.norm_topk_prob,
         attn_backend="flex",  # replaced below: no CPU backward
-        moe_comm_backend="standard",
+        moe_comm_backend=comm_backend,
         non_blocking_capacity_factor=None,
         linear_init=titan._LINEAR_INIT,
         norm_init=titan._NORM_INIT,

@@ -162,7 +162,7 @@ def trainer_config(config: TitanConfig, world: int, dump_folder: str) -> Any:
     batches, tokenizer, metrics = _components()
     model = get_config(config.model)
     recipe = deepseek_v3_debugmodel()
-    recipe.model_spec.model = titan.titan_config(model)
+    recipe.model_spec.model = titan.titan_config(model, comm_backend=config.moe_comm_backend)
     parallelize = recipe.model_spec.parallelize_fn
     if config.experts == "fp32":
 
@@ -221,7 +221,7 @@ class TitanTrainerArm(protocol.ArmBase):
         self.exchanges = ExchangeEvents(self.model, self.moe_layers, self.recorder, self.rank)
         if self.recorder is not None:
             self.trainer.optimizers.register_step_pre_hook(self._record_gradients)
-            if self.trainer.parallel_dims.ep_enabled:
+            if context.arm.emits(protocol.TOKEN_EXCHANGE):
                 self.exchanges.record()
 
     def _record_gradients(self, *unused: Any) -> None:

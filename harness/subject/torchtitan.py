@@ -25,6 +25,7 @@ dispatch and combine all-to-all (rows sent to and received from each rank), for
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import time
 from collections.abc import Mapping
@@ -47,6 +48,9 @@ if TYPE_CHECKING:
 ROUTINGS = ("learned", "forced-balanced")
 EXPERTS = ("bf16", "fp32")
 TRAINERS = ("torchtitan", "model")
+# torchtitan's token dispatchers (its moe_comm_backend): "standard" is its all-to-all, local dispatch at
+# EP 1; the others need CUDA (DeepEP's and HybridEP's kernels, MinimalAsyncEP's symmetric memory).
+COMM_BACKENDS = ("standard", "deepep", "hybridep", "minimal_async_ep")
 
 
 @dataclass(frozen=True)
@@ -64,6 +68,7 @@ class TitanConfig:
     max_norm: float = 1.0
     warmup_steps: int = 2  # torchtitan's LR warmup (its debug recipe's); the model mode's LR is constant
     ep: int = 0  # the trainer's expert-parallel degree; 0: every rank (the model mode's only layout)
+    moe_comm_backend: str = "standard"  # the trainer's token dispatcher (COMM_BACKENDS)
     seed: int = 42
 
     def __post_init__(self) -> None:
@@ -73,6 +78,10 @@ class TitanConfig:
             raise ValueError(f"routing must be one of {ROUTINGS}, got {self.routing!r}")
         if self.experts not in EXPERTS:
             raise ValueError(f"experts must be one of {EXPERTS}, got {self.experts!r}")
+        if self.moe_comm_backend not in COMM_BACKENDS:
+            raise ValueError(f"moe_comm_backend must be one of {COMM_BACKENDS}, got {self.moe_comm_backend!r}")
+        if self.moe_comm_backend != "standard" and self.trainer == "model":
+            raise ValueError("moe_comm_backend: the model mode exchanges through the standard all-to-all only")
         if self.ep < 0 or (self.ep and self.trainer == "model"):
             raise ValueError(f"ep is torchtitan's trainer's expert-parallel degree (0: every rank), got {self.ep}")
         from harness.reference.model import CONFIGS
@@ -118,7 +127,7 @@ class TitanArm(protocol.ArmBase):
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=self.config.lr, foreach=False)
         self.moe_layers = [layer for layer in range(self.cfg.num_hidden_layers) if self.cfg.is_moe_layer(layer)]
         self.exchanges = ExchangeEvents(self.model, self.moe_layers, self.recorder, self.rank)
-        if self.recorder is not None and self.world > 1:
+        if self.recorder is not None and context.arm.emits(protocol.TOKEN_EXCHANGE):
             self.exchanges.record()
 
     def step(self, step: int) -> protocol.StepRecord:
@@ -257,10 +266,18 @@ class Torchtitan(protocol.SubjectBase):
         arms = dataclass_arms(
             tables, reader, TitanConfig, self.families, positive, subject=f'subject "{self.name}"', facts=arm_facts
         )
-        for name, arm in arms.items():
-            ep = arm.train.get("ep", 0)
-            if ep and arm.ranks % ep:
-                raise reader.error(f"arms.{name}.ep", f"{ep} does not divide the arm's {arm.ranks} ranks")
+        for name, arm in list(arms.items()):
+            config = TitanConfig(**arm.train)
+            if config.ep and arm.ranks % config.ep:
+                raise reader.error(f"arms.{name}.ep", f"{config.ep} does not divide the arm's {arm.ranks} ranks")
+            backend = config.moe_comm_backend
+            if backend != "standard" and tables.device != "cuda":
+                why = f"{backend} runs on CUDA only; on {tables.device}, standard (its all-to-all, local at EP 1)"
+                raise reader.error(f"arms.{name}.moe_comm_backend", why)
+            # Exchanges are taken from the standard all-to-all's: none at EP 1 (local dispatch), nor of another.
+            if (config.ep or arm.ranks) == 1 or backend != "standard":
+                families = tuple(f for f in arm.families if f != protocol.TOKEN_EXCHANGE)
+                arms[name] = dataclasses.replace(arm, families=families)
         return arms
 
     def build(self, context: protocol.ArmContext) -> protocol.Arm:

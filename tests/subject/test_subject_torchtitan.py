@@ -147,9 +147,34 @@ model = "cpu-tiny"
         ('model = "cpu-tiny"', 'model = "cpu-huge"', "FILE: train.model: model must be one of ['cpu-tiny',"),
         ("[arms.a]", "[arms.a]\nchunks = 2", "FILE: arms.a.chunks: unknown key (allowed: ranks, trainer, model,"),
         ("[arms.a]", "[arms.a]\nep = 3", "FILE: arms.a.ep: 3 does not divide the arm's 2 ranks"),
+        (
+            "[arms.a]",
+            '[arms.a]\nmoe_comm_backend = "deepep"',
+            "FILE: arms.a.moe_comm_backend: deepep runs on CUDA only; on cpu, standard",
+        ),
+        (
+            "[arms.a]",
+            '[arms.a]\nmoe_comm_backend = "nvshmem"',
+            "FILE: arms.a.moe_comm_backend: moe_comm_backend must be one of ('standard', 'deepep',",
+        ),
+        (
+            "[arms.a]",
+            '[arms.a]\nep = 1\n[[checks]]\nkind = "routing-counts"',
+            'FILE: checks.0: routing-counts reads token-exchange records, which arm "a" of subject "torchtitan" does'
+            " not emit",
+        ),
         ("[arms.a]", '[arms.a]\ntrainer = "model"\nep = 2', "FILE: arms.a.ep: ep is torchtitan's trainer's"),
     ],
-    ids=["experts", "model", "unknown-field", "ep", "ep-in-model-mode"],
+    ids=[
+        "experts",
+        "model",
+        "unknown-field",
+        "ep",
+        "backend-on-cpu",
+        "backend",
+        "no-exchanges-at-ep-1",
+        "ep-in-model-mode",
+    ],
 )
 def test_bad_arms_are_refused_naming_the_field(tmp_path: Path, old: str, new: str, expected: str) -> None:
     message = suite_error(tmp_path, SUITE.replace(old, new))
