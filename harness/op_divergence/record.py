@@ -80,8 +80,10 @@ class OpRecord:
 
 def content_digest(tensor: torch.Tensor) -> str:
     """64 bits of blake2b over the tensor's bytes in row-major order: equal iff bit-identical
-    (up to a hash collision), whatever the strides."""
-    flat = tensor.detach().reshape(-1).contiguous().cpu()
+    (up to a hash collision), whatever the strides; a conjugate or negative view by its values. Hashed
+    from a copy: numpy on the tensor's own storage would make it non-resizable for good, and FSDP frees
+    an unsharded parameter by resizing its storage to 0."""
+    flat = tensor.detach().resolve_conj().resolve_neg().reshape(-1).cpu().clone()
     return hashlib.blake2b(flat.view(torch.uint8).numpy(), digest_size=8).hexdigest()
 
 

@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 
 from harness.op_divergence import ArmRun, OpRecord, OpRecorder, compare_ops, describe, first_op_divergence, record_arm
+from harness.op_divergence.record import content_digest
 from harness.reference.chunking import graph_step
 from harness.reference.chunking.graph import _Cloner, _mentions
 from harness.reference.model import TokenDispatcher
@@ -219,3 +220,18 @@ def test_a_collectives_outputs_are_recorded_without_hashes_the_op_reading_them_h
     gather, cat = recorder.records[-2:]
     assert gather.op == "c10d.allgather_.default" and gather.hashes == (None,) * len(gather.outputs)
     assert cat.op == "aten.cat.default" and cat.hashes[0] is not None and cat.absmax == (3.0,)
+
+
+def test_a_conjugate_view_is_hashed_by_its_values() -> None:
+    # RoPE's complex frequencies reach backward as conjugate views, whose bytes cannot be viewed as another dtype.
+    z = torch.tensor([1 + 2j, 3 - 4j])
+    assert content_digest(z.conj()) == content_digest(z.conj().resolve_conj())
+    assert content_digest(z.conj()) != content_digest(z)
+
+
+def test_hashing_leaves_the_storage_resizable() -> None:
+    # FSDP frees an unsharded parameter by resizing its storage to 0: an op's output hashed while in use must allow it.
+    t = torch.arange(8, dtype=torch.float32)
+    digest = content_digest(t)
+    t.untyped_storage().resize_(0)
+    assert digest == content_digest(torch.arange(8, dtype=torch.float32))
