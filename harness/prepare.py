@@ -151,7 +151,8 @@ def prepare_run(
     )
     checks = kind.checks(golden, groups)
     run_dir = make_run_dir(suite.name, options.out, unpickled)
-    env = {**(pin.env if pin else {}), **inductor_cache(run_dir)}  # what every rank's environment gains
+    # what every rank's environment gains
+    env = {**(pin.env if pin else {}), **inductor_cache(run_dir, pin.capability if pin else options.device)}
     # A change check's base records, restored if kept (base_cache.py); never for a throughput run,
     # whose two sides must be timed side by side.
     base = None
@@ -223,7 +224,7 @@ def read_prepared(run_dir: Path, suite: SuiteSpec, options: RunOptions) -> Prepa
     phases = PhaseLog()
     phases.add("start", options.started_at, time.time())
     subject, checks = subject_of(suite), kind.checks(plan, groups)
-    env = {**(pin.env if pin else {}), **inductor_cache(run_dir)}
+    env = {**(pin.env if pin else {}), **inductor_cache(run_dir, pin.capability if pin else manifest.device)}
     rebless = rebless_command(manifest.command, suite)
     return PreparedRun(
         run_dir,

@@ -196,14 +196,18 @@ def harness_log(run_dir: Path) -> Iterator[Path]:
         handler.close()
 
 
-def inductor_cache(run_dir: Path) -> dict[str, str]:
+def inductor_cache(run_dir: Path, kernels: str) -> dict[str, str]:
     """Inductor unpickles its cache entries, which nobody signs, and its default folder
     (/tmp/torchinductor_<user>) is one another user can make first. So ranks keep theirs in the user's
     cache folder, made private and checked along its whole path, or else fresh in the run directory.
-    A TORCHINDUCTOR_CACHE_DIR the user set is theirs to vouch for."""
+    A TORCHINDUCTOR_CACHE_DIR the user set is theirs to vouch for.
+
+    One folder per kind of ``kernels`` the ranks run (the CPU ISA, "avx2" or "avx512", or "cuda"): a
+    native AVX-512 run of parity-inductor that shared the AVX2-pinned run's cache died of heap
+    corruption, and passes with one of its own."""
     if INDUCTOR_ENV in os.environ:
         return {}
-    folder = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "harness" / "inductor"
+    folder = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "harness" / "inductor" / kernels
     try:
         make_private_folders(folder)
         check_path(folder)

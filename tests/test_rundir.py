@@ -67,10 +67,12 @@ def test_ranks_keep_their_inductor_cache_where_only_the_user_can_write(
     monkeypatch.setenv("XDG_CACHE_HOME", str(home))
     monkeypatch.delenv(INDUCTOR_ENV, raising=False)
     run_dir = make_run_dir("parity-inductor", tmp_path / "run")
-    folder = Path(inductor_cache(run_dir)[INDUCTOR_ENV])
-    expected = home / "harness" / "inductor" if cache_home == "private" else run_dir / "inductor"
+    folder = Path(inductor_cache(run_dir, "avx2")[INDUCTOR_ENV])
+    expected = home / "harness" / "inductor" / "avx2" if cache_home == "private" else run_dir / "inductor"
     assert folder == expected
     if cache_home == "private":
         assert mode_of(folder.stat()) == "0700"
+        # One folder per ISA: a native AVX-512 run that shared the AVX2 pin's folder died of heap corruption.
+        assert Path(inductor_cache(run_dir, "avx512")[INDUCTOR_ENV]) == home / "harness" / "inductor" / "avx512"
     monkeypatch.setenv(INDUCTOR_ENV, str(tmp_path / "mine"))
-    assert inductor_cache(run_dir) == {}  # the user's own choice
+    assert inductor_cache(run_dir, "avx2") == {}  # the user's own choice
