@@ -10,6 +10,8 @@ markers, regenerated from ``golden/`` (a test fails when the two disagree).
 A suite expects goldens when it is shipped and not a throughput suite (an ABBA gate records no
 steps to compare), or when ``golden/`` has any for it (an example's suite, such as tiny-dp);
 its goldens' dtype is the suite's (SuiteSpec.dtype), else the one its recorded goldens carry.
+A golden recorded for another configuration than its suite now runs (an arm added since) is
+**stale**: present, and compared by no run.
 """
 
 from __future__ import annotations
@@ -20,7 +22,9 @@ from pathlib import Path
 import torch
 
 from harness.environment import CpuPin, backend_for, comparable_env_keys, device_class, env_key, split_env_key
-from harness.golden import GoldenError, load_golden_for, loose_lead, shown_path
+from harness.golden import Golden, GoldenError, config_differences, load_golden_for, loose_lead, shown_path
+from harness.golden_plan import golden_config
+from harness.specs import SuiteSpec
 from harness.suites import list_suites, load_suite
 
 TABLE_BEGIN, TABLE_END = "<!-- golden-table:begin -->", "<!-- golden-table:end -->"
@@ -34,6 +38,9 @@ class Inventory:
     dtypes: dict[str, tuple[str, ...]]  # suite -> the dtypes its goldens are keyed by, sorted
     recorded: dict[str, frozenset[str]]  # suite -> the env keys it has a golden for
     environments: tuple[str, ...]  # every env key's environment (EnvKey.environment) under the root, sorted
+    # suite -> env key -> how its golden's configuration differs from the suite's: a golden no run of
+    # the suite compares with (golden_plan.plan_golden), however present it looks
+    stale: dict[str, dict[str, str]]
 
 
 def golden_inventory(golden_dir: Path, suites_dir: Path) -> Inventory:
@@ -41,7 +48,9 @@ def golden_inventory(golden_dir: Path, suites_dir: Path) -> Inventory:
     file and field) and every suite in ``suites_dir``."""
     if not golden_dir.is_dir():
         raise GoldenError(golden_dir, None, "no such golden directory")
+    suites = {name: load_suite(name, suites_dir=suites_dir) for name, _ in list_suites(suites_dir)}
     recorded: dict[str, set[str]] = {}
+    stale: dict[str, dict[str, str]] = {}
     for path in sorted(golden_dir.glob("*/*.json")):
         golden = load_golden_for(path, path.parent.name)
         try:
@@ -49,9 +58,12 @@ def golden_inventory(golden_dir: Path, suites_dir: Path) -> Inventory:
         except ValueError as e:
             raise GoldenError(path, "env_key", str(e)) from None
         recorded.setdefault(golden.suite, set()).add(golden.env_key)
+        if golden.suite in suites:
+            differences = _configuration_differences(golden, suites[golden.suite])
+            if differences:
+                stale.setdefault(golden.suite, {})[golden.env_key] = differences
     dtypes = {suite: {split_env_key(key).dtype for key in keys} for suite, keys in recorded.items()}
-    for name, _ in list_suites(suites_dir):
-        suite = load_suite(name, suites_dir=suites_dir)
+    for name, suite in suites.items():
         if suite.throughput is None:
             dtypes.setdefault(name, set()).add(suite.dtype)
     environments = {split_env_key(key).environment for keys in recorded.values() for key in keys}
@@ -60,12 +72,23 @@ def golden_inventory(golden_dir: Path, suites_dir: Path) -> Inventory:
         {suite: tuple(sorted(found)) for suite, found in sorted(dtypes.items())},
         {suite: frozenset(recorded.get(suite, ())) for suite in sorted(dtypes)},
         tuple(sorted(environments)),
+        stale,
     )
+
+
+def _configuration_differences(golden: Golden, suite: SuiteSpec) -> str:
+    """How ``golden`` was recorded for another configuration than ``suite`` runs (plan_golden's rule: a
+    golden shorter than the suite is another configuration too); empty when a run compares with it."""
+    differences = config_differences({**golden.config, "steps": None}, {**golden_config(suite), "steps": None})
+    if golden.steps < suite.steps:
+        differences.append(f"steps: golden {golden.steps}, suite {suite.steps}")
+    return "; ".join(differences)
 
 
 def status_lines(inventory: Inventory, pin: CpuPin) -> list[str]:
     """``harness golden status``: one line per suite and dtype, for this machine's CPU env key under
-    ``pin``: "ok" and the golden, or "missing" and what a run compares with instead."""
+    ``pin``: "ok" and the golden, "stale" and how its configuration differs, or "missing" and what a
+    run compares with instead."""
     device = device_class("cpu", pin)
     width = max((len(suite) for suite in inventory.dtypes), default=0)
     lines = []
@@ -73,6 +96,11 @@ def status_lines(inventory: Inventory, pin: CpuPin) -> list[str]:
         for dtype in dtypes:
             key = env_key(device, backend_for("cpu"), dtype, torch.__version__)
             path = inventory.root / suite / f"{key}.json"
+            differences = inventory.stale.get(suite, {}).get(key)
+            if differences:
+                why = f"recorded for another configuration ({differences}): record it again with harness golden update"
+                lines.append(f"stale    {suite:<{width}}  {shown_path(path, inventory.root)}: {why} {suite}")
+                continue
             if key in inventory.recorded[suite]:
                 lines.append(f"ok       {suite:<{width}}  {shown_path(path, inventory.root)}")
                 continue
@@ -89,9 +117,13 @@ def golden_table(inventory: Inventory) -> str:
     and the dtype the suite's goldens are keyed by."""
 
     def cell(suite: str, environment: str) -> str:
-        present = {split_env_key(key).dtype for key in inventory.recorded[suite]
-                   if split_env_key(key).environment == environment}  # fmt: skip
-        return ", ".join(dtype if dtype in present else f"**missing** {dtype}" for dtype in inventory.dtypes[suite])
+        keys = {split_env_key(key).dtype: key for key in inventory.recorded[suite]
+                if split_env_key(key).environment == environment}  # fmt: skip
+        stale = inventory.stale.get(suite, {})
+        return ", ".join(
+            f"**missing** {dtype}" if dtype not in keys else f"**stale** {dtype}" if keys[dtype] in stale else dtype
+            for dtype in inventory.dtypes[suite]
+        )
 
     rows = [
         "| suite | " + " | ".join(f"`{environment}`" for environment in inventory.environments) + " |",

@@ -4,6 +4,7 @@ generated from golden/ and checked against it."""
 from __future__ import annotations
 
 import dataclasses
+import json
 import shutil
 from pathlib import Path
 
@@ -149,3 +150,36 @@ def test_writing_the_table_needs_each_marker_once(tmp_path: Path) -> None:
     readme.write_text(f"# x\n{TABLE_END}\n{TABLE_BEGIN}\n")
     with pytest.raises(GoldenError, match=f"{TABLE_END}: comes before {TABLE_BEGIN}"):
         write_readme_table(readme, "| a |\n")
+
+
+def test_a_golden_of_another_configuration_is_stale_in_the_table_and_the_status(harness_main, tmp_path: Path) -> None:
+    """A golden recorded before an arm was added is present, and no run compares with it (strict-vs-stale's
+    AMD golden lacked its clipped arm for days, while the table said float32): the table and the status
+    say stale, and how its configuration differs."""
+    suites, goldens = tmp_path / "suites", tmp_path / "golden"
+    suites.mkdir()
+    shutil.copy(SUITES_DIR / "strict-vs-stale.toml", suites)
+    mine = run_env_key("cpu", "float32")
+    path = _copy_golden(GOLDENS / "strict-vs-stale" / f"{AMD}.json", goldens, "strict-vs-stale", mine)
+    assert "**stale**" not in golden_table(golden_inventory(goldens, suites))
+    older = json.loads(path.read_text())
+    del older["config"]["arms"]["clipped"], older["arms"]["clipped"]
+    path.write_text(json.dumps(older))
+    environment = split_env_key(mine).environment
+    assert golden_table(golden_inventory(goldens, suites)).splitlines() == [
+        f"| suite | `{environment}` |",
+        "| --- | --- |",
+        "| `strict-vs-stale` | **stale** float32 |",
+    ]
+    status = harness_main("golden", "status", "--golden-dir", goldens, "--suites-dir", suites)
+    assert status.returncode == 0, status.stdout + status.stderr
+    differences = 'arms.clipped.config.chunking: golden unset, this run "eager"; '
+    differences += 'arms.clipped.config.correction: golden unset, this run "always"; '
+    differences += "arms.clipped.config.correction_clip: golden unset, this run 1.01; "
+    differences += "arms.clipped.config.delay: golden unset, this run 2; "
+    differences += 'arms.clipped.config.trainer: golden unset, this run "versioned"; '
+    differences += "arms.clipped.ranks: golden unset, this run 2"
+    assert status.stdout.splitlines() == [
+        f"stale    strict-vs-stale  {path.relative_to(goldens)}: recorded for another configuration ({differences}):"
+        " record it again with harness golden update strict-vs-stale"
+    ]
