@@ -1,4 +1,4 @@
-"""The ``harness`` command: list, run, abba, golden update/status/table, ci, submit, collect, report, doctor.
+"""The ``harness`` command: list, run, abba, golden update/calibrate/status/table, ci, submit, collect, report, doctor.
 
 Exit codes (run, abba and golden update): 0 pass, 1 a check failed (a regression), 2 bad usage,
 suite or input, 3 infrastructure (a rank killed or hung, a timeout, a launch failure, an internal
@@ -27,6 +27,7 @@ from typing import NoReturn
 
 import harness
 from harness.bisect import BisectRequest, run_bisect
+from harness.calibration import MARGIN, calibrate_suite
 from harness.cancel import Cancelled
 from harness.change import ChangeRequest, prepare_change
 from harness.ci import run_gate
@@ -191,6 +192,15 @@ def build_parser() -> argparse.ArgumentParser:
     golden_commands = golden.add_subparsers(dest="golden_command", required=True, metavar="ACTION")
     _add_run_arguments(
         golden_commands.add_parser("update", help="run a suite and record its golden for this environment")
+    )
+    calibrate = golden_commands.add_parser(
+        "calibrate",
+        help="measure the suite's noise between environments (this machine's CPU ISAs, goldens of others) and"
+        " write the tier at which a golden holds another environment's run into its goldens",
+    )
+    _add_run_arguments(calibrate)
+    calibrate.add_argument(
+        "--margin", type=float, default=MARGIN, metavar="X", help=f"tier = X times the noise (default {MARGIN:g})"
     )
     status = golden_commands.add_parser(
         "status",
@@ -537,6 +547,9 @@ def _golden(args: argparse.Namespace, argv: list[str]) -> int:
     """``harness golden update`` runs the suite; ``status`` and ``table`` read the goldens only."""
     if args.golden_command == "update":
         return _run(args, argv, "update")
+    if args.golden_command == "calibrate":
+        options = _run_options(args, argv, "update")  # it writes goldens: never the installed package's
+        return calibrate_suite(_load(args, args.suite), options, args.margin, sys.stdout, sys.stderr)
     inventory = golden_inventory(args.golden_dir, _suites_dir(args))
     if args.golden_command == "status":
         print("\n".join(status_lines(inventory, cpu_pin(args.cpu_isa))))

@@ -47,13 +47,54 @@ class GoldenError(Exception):
         super().__init__(f"{path}: {field}: {msg}" if field else f"{path}: {msg}")
 
 
+@dataclass(frozen=True)
+class Calibration:
+    """The tier at which a run of another environment is held to a golden, measured rather than guessed
+    (harness/calibration.py): per metric, the largest relative difference seen between environments
+    (``noise``), times ``margin``. Kept in the golden's provenance, so it is reviewed with the golden."""
+
+    # metric -> the largest relative difference measured between environments; a metric that did not
+    # move at all takes the suite's largest (calibration.py)
+    noise: dict[str, float]
+    margin: float
+    measured: tuple[str, ...]  # what was compared, one phrase each ("cpu-isa avx2 vs native")
+
+    def tier(self, metric: str) -> dict:
+        return {"kind": "close", "rtol": self.margin * self.noise[metric], "atol": 0.0}
+
+    def describe(self) -> str:
+        """ "calibrated: loss within rtol=1.2e-06, grad_norm within rtol=3e-06 (10x the noise measured)"."""
+        tiers = ", ".join(f"{m} within rtol={self.margin * n:.2g}" for m, n in self.noise.items())
+        return f"calibrated: {tiers} ({self.margin:g}x the noise measured)"
+
+    def to_json(self) -> dict:
+        return {"noise": dict(self.noise), "margin": self.margin, "measured": list(self.measured)}
+
+    @classmethod
+    def from_json(cls, raw: Any, source: Any) -> Calibration:
+        field = "provenance.calibration"
+        if not isinstance(raw, dict) or set(raw) != {"noise", "margin", "measured"}:
+            raise GoldenError(source, field, "expected an object with noise, margin and measured")
+        noise, margin, measured = raw["noise"], raw["margin"], raw["measured"]
+        if not isinstance(noise, dict) or not noise:
+            raise GoldenError(source, f"{field}.noise", "expected a non-empty mapping of metric -> relative noise")
+        for metric, value in noise.items():
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < math.inf:
+                raise GoldenError(source, f"{field}.noise.{metric}", f"expected a finite number >= 0, got {value!r}")
+        if isinstance(margin, bool) or not isinstance(margin, (int, float)) or not 1 <= margin < math.inf:
+            raise GoldenError(source, f"{field}.margin", f"expected a finite number >= 1, got {margin!r}")
+        if not isinstance(measured, list) or not measured or not all(isinstance(m, str) for m in measured):
+            raise GoldenError(source, f"{field}.measured", "expected a non-empty list of strings")
+        return cls({m: float(v) for m, v in noise.items()}, float(margin), tuple(measured))
+
+
 @dataclass(eq=False)
 class Golden:
     """A parsed golden file; trajectories are float64 Series indexed by step."""
 
     suite: str
     env_key: str
-    provenance: dict[str, str | None]
+    provenance: dict[str, Any]  # strings or null; a calibration (Calibration.to_json) where measured
     config: dict  # {"steps": N, "arms": {arm: {"ranks": P, "config": non-default fields}}}
     tier: dict
     arms: dict[str, dict[str, pd.Series]]
@@ -61,6 +102,26 @@ class Golden:
     @property
     def steps(self) -> int:
         return self.config["steps"]
+
+    @property
+    def calibration(self) -> Calibration | None:
+        """The measured cross-environment tier, where ``harness golden calibrate`` wrote one."""
+        raw = self.provenance.get("calibration")
+        return None if raw is None else Calibration.from_json(raw, self.env_key)
+
+    def cross_env_tiers(self, fixed: dict) -> dict[str, dict]:
+        """metric -> the tier at which a run of another environment is held to this golden, or at
+        which a failed check is judged again to tell drift from a regression: the calibrated one,
+        else the suite's ``fixed`` cross-environment tier."""
+        calibration = self.calibration
+        metrics = {m for trajectories in self.arms.values() for m in trajectories}
+        if calibration is None:
+            return dict.fromkeys(sorted(metrics), fixed)
+        return {m: calibration.tier(m) if m in calibration.noise else fixed for m in sorted(metrics)}
+
+    def cross_env_how(self, fixed: dict) -> str:
+        calibration = self.calibration
+        return calibration.describe() if calibration else tier_from_spec(fixed).describe()
 
     def to_dict(self) -> dict:
         arms = {arm: {m: _trajectory(s) for m, s in metrics.items()} for arm, metrics in self.arms.items()}
@@ -140,6 +201,8 @@ def _parse(obj: Any, source: Any) -> Golden:
     for key in FINGERPRINT_PROVENANCE:
         if not isinstance(provenance.get(key), (str, type(None))):
             raise GoldenError(source, f"provenance.{key}", f"expected a string or null, got {provenance[key]!r}")
+    if "calibration" in provenance:
+        Calibration.from_json(provenance["calibration"], source)
     config = obj.get("config")
     if not isinstance(config, dict) or set(config) != {"steps", "arms"} or not isinstance(config["arms"], dict):
         raise GoldenError(source, "config", "expected an object with steps and arms")

@@ -44,7 +44,9 @@ class GoldenPlan:
     mode: str  # check | update | off
     path: Path  # this environment's golden: what update writes
     golden: Golden | None = None  # what check compares with
-    tier: dict | None = None  # check's tier: the golden's own, or the cross-environment tier
+    # check's tier: the golden's own, or the suite's cross-environment tier (which a golden's
+    # calibration replaces, metric by metric: Golden.cross_env_tiers)
+    tier: dict | None = None
     note: str | None = None  # one console line before the run: what will be compared and how, or why nothing is
     root: Path | None = None  # the golden root (--golden-dir) the paths are shown against
     how: str | None = None  # the tier in words ("bit for bit")
@@ -90,8 +92,10 @@ class GoldenPlan:
         compared = record["compared"]
         root = Path(record["root"]) if record["root"] else None
         golden = load_golden(Path(compared)) if compared else None
-        how = tier_from_spec(record["tier"]).describe() if record["tier"] else None
         fingerprint, path = record.get("fingerprint"), Path(record["path"])
+        how = tier_from_spec(record["tier"]).describe() if record["tier"] else None
+        if golden is not None and golden.env_key != path.stem:
+            how = golden.cross_env_how(record["tier"])
         missing = record.get("missing_for_this_environment", golden is not None and golden.env_key != path.stem)
         return cls(record["mode"], path, golden, record["tier"], record["note"], root, how, fingerprint, missing)
 
@@ -156,6 +160,8 @@ def update_golden(plan: GoldenPlan, suite: SuiteSpec, manifest: Manifest, metric
         old, note = (load_golden_for(plan.path, suite.name) if plan.path.is_file() else None), None
     except GoldenError as e:
         old, note = None, f"replacing an unreadable golden: {e}"
+    if old is not None and "calibration" in old.provenance:  # noise between environments, not this one's values
+        provenance["calibration"] = old.provenance["calibration"]
     new = golden_from_metrics(
         suite.name, manifest.env_key, provenance, config, suite.golden_tier, metrics, suite.golden_metrics
     )
@@ -247,7 +253,7 @@ def plan_golden(
             "off", note=f"golden: not compared: {shown(source)} is for another configuration: {'; '.join(differences)}"
         )
     tier = golden.tier if source == path else tier_from_spec(cross_env_tier).spec()
-    how = tier_from_spec(tier).describe()
+    how = tier_from_spec(tier).describe() if source == path else golden.cross_env_how(tier)
     prefix = f", its first {config['steps']} of {golden.steps} steps" if config["steps"] < golden.steps else ""
     lead = "will compare with " if source == path else loose_lead(key, golden.env_key, "will compare") + ": "
     return plan("check", golden, tier, f"golden: {lead}{shown(source)}{prefix}, {how}", how)

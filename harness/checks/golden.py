@@ -18,6 +18,7 @@ its failure is a regression.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import replace
 
 import pandas as pd
@@ -61,27 +62,31 @@ def golden_checks(
 ) -> list[CheckResult]:
     """Compares the run with the planned golden on the run's steps; a cross-environment comparison
     says which golden and tier in every detail. A check that fails its own golden is judged again at
-    ``cross_env_tier`` and labelled drift or regression (:func:`label_failure`)."""
+    the cross-environment tier, calibrated per metric where the golden carries a calibration, else
+    ``cross_env_tier``, and labelled drift or regression (:func:`label_failure`)."""
     golden = plan.golden
     trimmed = Golden(
         golden.suite, golden.env_key, golden.provenance, golden.config, golden.tier,
         {arm: {m: s[s.index <= steps] for m, s in ms.items()} for arm, ms in golden.arms.items()},
     )  # fmt: skip
 
-    def compare(tier: dict) -> list[CheckResult]:
+    def compare(tier: dict, per_metric: dict[str, dict] | None = None) -> list[CheckResult]:
         # Named "golden:<arm>[:<metric>]"; grouped as golden checks in the report, whatever their tier.
-        results = compare_to_golden(trimmed, metrics, tier_from_spec(tier))
+        tiers = {m: tier_from_spec(t) for m, t in (per_metric or {}).items()}
+        results = compare_to_golden(trimmed, metrics, tier_from_spec(tier), tiers)
         return [replace(r, kind="golden", arms=[r.name.split(":")[1]]) for r in results]
 
-    results = compare(plan.tier)
+    fixed = cross_env_tier or plan.tier
     if plan.cross_env:
+        results = compare(fixed, golden.cross_env_tiers(fixed))
         return [replace(r, detail=f"cross-environment vs {golden.env_key}: {r.detail}") for r in results]
+    results = compare(plan.tier)
     if cross_env_tier is None or all(r.status != "fail" for r in results):
         return results
     changed, unrecorded = fingerprint_changes(golden.provenance, plan.fingerprint or {})
     return [
         label_failure(own, loose, changed, unrecorded) if own.status == "fail" else own
-        for own, loose in zip(results, compare(cross_env_tier))
+        for own, loose in zip(results, compare(cross_env_tier, golden.cross_env_tiers(cross_env_tier)))
     ]
 
 
@@ -117,8 +122,12 @@ def drift_line(checks: list[CheckResult], rebless: str) -> str:
     return f"drift: re-bless: {moved}, within the cross-environment tier; review the new golden: {rebless}"
 
 
-def compare_to_golden(golden: Golden, metrics: dict[str, pd.DataFrame], tier: Tier) -> list[CheckResult]:
-    """One check per (arm, metric) in the golden, named "golden:<arm>:<metric>"; an arm either lacks fails."""
+def compare_to_golden(
+    golden: Golden, metrics: dict[str, pd.DataFrame], tier: Tier, per_metric: Mapping[str, Tier] | None = None
+) -> list[CheckResult]:
+    """One check per (arm, metric) in the golden, named "golden:<arm>:<metric>", at ``tier`` or the
+    metric's own in ``per_metric`` (a calibrated cross-environment tier); an arm either lacks fails."""
+    per_metric = per_metric or {}
     results = []
     for arm, trajectories in golden.arms.items():
         for metric, expected in trajectories.items():
@@ -128,7 +137,8 @@ def compare_to_golden(golden: Golden, metrics: dict[str, pd.DataFrame], tier: Ti
                     CheckResult(name, tier.kind, "fail", f"arm '{arm}' is in the golden but not in this run")
                 )
                 continue
-            results.append(compare_arms(name, metrics[arm], expected.to_frame(metric), metric, tier, arm, "golden"))
+            held = per_metric.get(metric, tier)
+            results.append(compare_arms(name, metrics[arm], expected.to_frame(metric), metric, held, arm, "golden"))
     for arm in sorted(metrics.keys() - golden.arms.keys()):
         results.append(
             CheckResult(f"golden:{arm}", tier.kind, "fail", f"no golden for arm '{arm}' in {golden.env_key}")

@@ -23,6 +23,8 @@ from pathlib import Path
 
 import pytest
 
+from harness.environment import cpu_pin
+
 pytestmark = pytest.mark.skipif(
     importlib.util.find_spec("torchtitan") is None,
     reason="torchtitan is not installed: pip install -c constraints.txt 'harness[torchtitan]'",
@@ -33,6 +35,7 @@ ROUTER = Path("torchtitan/models/common/moe.py")
 NORMALISATION = re.compile(r"\n( +)if self\.route_norm:\n(?:\1 +\S.*\n)+")
 STEPS = ("--steps", 2, "--golden", "off", "--first-op", "off")  # torchtitan's ops are not recorded anyway
 CHECKS = ("loss", "grad_norm", "final weights")  # each arm's change checks
+GOLDENS = Path(__file__).resolve().parents[2] / "golden"  # the shipped goldens
 
 
 def _git(repo: Path, *args: str) -> str:
@@ -126,3 +129,31 @@ def test_a_comment_only_change_passes_bitwise(
             "2 steps bitwise identical",
             "45 parameters bitwise identical on all 2 logical ranks after 2 updates",
         ), check
+
+
+def test_the_reintroduced_router_bug_fails_the_golden_bitwise_here_and_at_the_calibrated_tier_elsewhere(
+    run_harness, titan_repo: Path, tmp_path: Path
+) -> None:
+    """The same bug against the shipped golden, as a plain run of ``torchtitan-determinism``: the ranks
+    import torchtitan from the repository's working tree (the bug) ahead of the installed package.
+    Pinned to AVX2, this machine's own golden holds it bit for bit. At the native ISA there is no
+    golden of its own, as on a machine of another vendor: the pinned one holds it at the tier
+    calibrated from the noise between those environments, ten times that noise, and the bug, which
+    moves the loss past that by step 2, fails there too (at rtol 1e-4, the fixed tier, it passed)."""
+    for isa in ("avx2", "native"):
+        out = tmp_path / isa
+        args = ("--steps", 2, "--cpu-isa", isa, "--golden", "check", "--golden-dir", GOLDENS, "--out", out)
+        run = run_harness("run", "torchtitan-determinism", *args, env={"PYTHONPATH": titan_repo}, timeout=600)
+        assert run.returncode == 1, run.stdout + run.stderr
+        summary = run.summary(out)
+        failed = {c["name"]: c for c in summary["checks"] if c["status"] == "fail"}
+        assert {"golden:run:loss", "golden:run-again:loss"} <= set(failed), sorted(failed)
+        assert all(c["kind"] == "golden" for c in failed.values()), sorted(failed)
+        # Bit for bit from step 1; at ten times the noise, once the bug has moved the loss that far: step 2.
+        assert failed["golden:run:loss"]["first_divergent_step"] == (1 if isa == "avx2" else 2), failed[
+            "golden:run:loss"
+        ]
+        golden = summary["golden"]
+        assert golden["missing_for_this_environment"] == (isa == "native"), golden
+        if isa == "native" and cpu_pin("native").capability != "avx2":
+            assert "calibrated: loss within rtol=" in golden["plan"], golden["plan"]

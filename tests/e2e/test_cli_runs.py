@@ -8,12 +8,13 @@ import shutil
 import xml.etree.ElementTree as ET
 from pathlib import Path
 
+import pandas as pd
 import pytest
 import torch
 
-from harness.environment import run_env_key
+from harness.environment import cpu_pin, run_env_key
 from harness.golden import PROVENANCE_KEYS
-from harness.records import read_jsonl
+from harness.records import read_jsonl, read_metrics
 
 CPU_KEY = run_env_key("cpu", "float32")
 NIGHTLY = "2.13.0.dev20261120+cpu"  # a stated torch that recorded a golden: not this run's
@@ -285,7 +286,9 @@ def test_golden_update_then_a_moved_golden_fails_as_a_regression_or_as_drift(
     assert "  first/loss: changed: first divergence at step 2:" in blessed.stdout
 
 
-def test_golden_of_another_cpu_isa_is_compared_at_the_cross_env_tier(run_harness, harness_main, tmp_path: Path) -> None:
+def test_another_isas_golden_is_compared_loosely_then_at_its_calibrated_tier(
+    run_harness, harness_main, tmp_path: Path
+) -> None:
     goldens = ("--golden-dir", tmp_path / "golden")
     common = ("logical-ranks", "--steps", 3, *goldens)
     native = run_harness("golden", "update", *common, "--cpu-isa", "native", "--out", tmp_path / "native")
@@ -313,6 +316,50 @@ def test_golden_of_another_cpu_isa_is_compared_at_the_cross_env_tier(run_harness
     arm = json.loads((out / "arms" / "procs" / "arm.json").read_text())
     assert arm["cpu_capability"] == "avx2"  # the pin reached the ranks
     assert json.loads((out / "manifest.json").read_text())["cpu_isa"]["env"]["ATEN_CPU_CAPABILITY"] == "avx2"
+    _calibrated_then_a_change_at_three_times_the_tier_fails(run_harness, common, recorded, tmp_path)
+
+
+def _calibrated_then_a_change_at_three_times_the_tier_fails(run_harness, common: tuple, golden: Path, tmp_path: Path):
+    """``harness golden calibrate``: the pinned and the native run measure the ISA noise, which goes into the
+    golden's provenance; the pinned run then compares at ten times it, and a golden moved by three times
+    that tier fails, where the fixed tier (rtol 1e-4) passed it."""
+    native = cpu_pin("native").capability
+    if native == "avx2":
+        pytest.skip("this CPU has no ISA wider than AVX2: a calibration here has only the native golden to compare")
+    calibrate = run_harness("golden", "calibrate", *common, "--out", tmp_path / "calibrate")
+    assert calibrate.returncode == 0, calibrate.stdout + calibrate.stderr
+    noise = json.loads(golden.read_text())["provenance"]["calibration"]["noise"]
+    runs = {isa: tmp_path / "calibrate" / isa / "arms" for isa in ("avx2", native)}
+    apart = {  # what the two runs recorded, measured here by hand
+        metric: max(
+            float((abs(a - b) / pd.concat([abs(a), abs(b)], axis=1).min(axis=1)).max())
+            for arm in ("procs", "inproc")
+            for a, b in [[read_metrics(runs[isa] / arm / "metrics.jsonl")[metric] for isa in runs]]
+        )
+        for metric in ("loss", "grad_norm")
+    }
+    largest = max(apart.values())  # a metric that did not move takes the largest
+    assert largest > 0 and noise == pytest.approx({m: value or largest for m, value in apart.items()}, rel=1e-9)
+    for metric, value in noise.items():
+        assert (
+            f"{metric}: noise {value:.3g}" in calibrate.stdout
+            and f"tier rtol={10 * value:.3g} (10x)" in calibrate.stdout
+        )
+    out = tmp_path / "calibrated"
+    run = run_harness("run", *common, "--golden", "check", "--out", out)
+    assert run.returncode == 0, run.stdout + run.stderr
+    how = f"calibrated: loss within rtol={10 * noise['loss']:.2g}, grad_norm within rtol={10 * noise['grad_norm']:.2g}"
+    assert f"{golden.name}, {how} (10x the noise measured)" in run.stdout
+    moved = json.loads(golden.read_text())
+    assert 3 * 10 * noise["loss"] < 1e-4  # inside the fixed tier
+    for step, value in moved["arms"]["procs"]["loss"]["values"].items():
+        moved["arms"]["procs"]["loss"]["values"][step] = value * (1 + 3 * 10 * noise["loss"])
+    golden.write_text(json.dumps(moved))
+    out = tmp_path / "moved"
+    run = run_harness("run", *common, "--golden", "check", "--out", out)
+    assert run.returncode == 1, run.stdout + run.stderr
+    assert run.check(out, "golden:procs:loss")["status"] == "fail"
+    assert run.check(out, "golden:procs:grad_norm")["status"] == "pass"
 
 
 def test_golden_of_another_configuration_is_exit_2_under_check(
