@@ -40,7 +40,7 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
 from harness.subject import protocol
-from harness.subject.torchtitan import ExchangeEvents, TitanConfig, grad_or_zeros, synthetic_batch
+from harness.subject.titan_config import ExchangeEvents, TitanConfig, grad_or_zeros, synthetic_batch
 
 CPU_DEVICE_MODULES = (
     "torchtitan.tools.utils",

@@ -5,22 +5,22 @@ Where an oracle arm holds torchtitan to the reference, this subject trains torch
 configs, is verified the way the reference's are: determinism, a pair of configs, the ranks'
 agreement, routing counts, goldens, the first divergence, ABBA throughput.
 
-Each process is one expert-parallel and data-parallel rank (one logical rank per process, as in
-torchtitan's ``dp_shard = ep``). The model has the shape of a reference model config (``model``,
-built by :func:`harness.oracles.torchtitan.titan_config`: SDPA attention, the config's norm eps) and
-torchtitan's own initialisation, seeded alike on every process; with 2 or more processes torchtitan
-shards its experts and exchanges tokens through its ``AllToAllTokenDispatcher`` over the process
-group (:func:`~harness.oracles.torchtitan.expert_parallel`); on one process it dispatches locally.
-``experts = "bf16"`` runs torchtitan's routed experts as shipped (bf16 grouped matmuls);
-``"fp32"`` replaces them with fp32 ones, the oracle's. A step: forward and loss on this rank's own
-synthetic batch, backward of the global loss (the mean over ranks), the dense gradients and the
-loss summed over the processes, global-norm clipping and AdamW. On GPUs torchtitan's
-MinimalAsyncEP dispatcher needs CUDA symmetric memory; it is not wired here.
+An arm (titan_config.TitanConfig) trains in one of two modes. ``trainer = "torchtitan"``, the
+default, runs torchtitan's own Trainer: its parallelize, loss, clipping, optimizer with its MoE
+load-balancing hook, and LR schedule (titan_trainer.py). ``trainer = "model"`` trains torchtitan's
+model in the loop below, :class:`TitanArm`: each process one expert-parallel and data-parallel rank
+(torchtitan's ``dp_shard = ep``), forward and loss on its own synthetic batch, backward of the mean
+loss over ranks, the dense gradients summed over the processes, global-norm clipping and AdamW.
+There the model has the shape of a reference model config (built by
+:func:`harness.oracles.torchtitan.titan_config`) and torchtitan's own initialisation; with 2 or more
+processes torchtitan shards its experts and exchanges tokens through its ``AllToAllTokenDispatcher``
+(:func:`~harness.oracles.torchtitan.expert_parallel`). ``experts = "fp32"`` replaces torchtitan's
+bf16 grouped experts with the oracle's fp32 ones.
 
-Recorded: metrics; each rank's loss, grad norm and parameters (dense ones replicated, its expert
-shard its own); its gradients (digests); final weights; and a launch event around every forward
-dispatch and combine all-to-all (rows sent to and received from each rank), for
-``routing-counts``. The backward all-to-alls run inside torch's autograd and are not recorded.
+Recorded in both modes: metrics; each rank's loss, grad norm and parameters; its gradients
+(digests); final weights; and a launch event around every forward dispatch and combine all-to-all
+(titan_config.ExchangeEvents), for ``routing-counts``. The backward all-to-alls run inside torch's
+autograd and are not recorded.
 """
 
 from __future__ import annotations
@@ -29,7 +29,6 @@ import dataclasses
 import importlib.util
 import time
 from collections.abc import Mapping
-from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -41,63 +40,11 @@ from torch.distributed.tensor import DTensor
 from harness import oracles
 from harness.subject import protocol
 from harness.subject.config import dataclass_arms
+from harness.subject.titan_config import ExchangeEvents, TitanConfig, grad_or_zeros, synthetic_batch
+from harness.subject.titan_trainer import TitanTrainerArm
 
 if TYPE_CHECKING:
     from harness.specs import ArmSpec
-
-ROUTINGS = ("learned", "forced-balanced")
-EXPERTS = ("bf16", "fp32")
-TRAINERS = ("torchtitan", "model")
-# torchtitan's token dispatchers (its moe_comm_backend): "standard" is its all-to-all, local dispatch at
-# EP 1; the others need CUDA (DeepEP's and HybridEP's kernels, MinimalAsyncEP's symmetric memory).
-COMM_BACKENDS = ("standard", "deepep", "hybridep", "minimal_async_ep")
-
-
-@dataclass(frozen=True)
-class TitanConfig:
-    """One arm: who trains (torchtitan's Trainer, or the harness's loop around torchtitan's model), the
-    model's shape (a reference model config), routing, data, optimizer and expert parallelism."""
-
-    trainer: str = "torchtitan"  # torchtitan's own Trainer (titan_trainer.py), or "model": the model alone
-    model: str = "cpu-tiny"  # a reference model config name (harness.reference.model.CONFIGS)
-    routing: str = "learned"  # or torchtitan's round-robin "forced-balanced"
-    experts: str = "bf16"  # torchtitan's routed experts as shipped, or "fp32"
-    local_batch: int = 4
-    seq_len: int = 32
-    lr: float = 1e-3
-    max_norm: float = 1.0
-    warmup_steps: int = 2  # torchtitan's LR warmup (its debug recipe's); the model mode's LR is constant
-    ep: int = 0  # the trainer's expert-parallel degree; 0: every rank (the model mode's only layout)
-    moe_comm_backend: str = "standard"  # the trainer's token dispatcher (COMM_BACKENDS)
-    seed: int = 42
-
-    def __post_init__(self) -> None:
-        if self.trainer not in TRAINERS:
-            raise ValueError(f"trainer must be one of {TRAINERS}, got {self.trainer!r}")
-        if self.routing not in ROUTINGS:
-            raise ValueError(f"routing must be one of {ROUTINGS}, got {self.routing!r}")
-        if self.experts not in EXPERTS:
-            raise ValueError(f"experts must be one of {EXPERTS}, got {self.experts!r}")
-        if self.moe_comm_backend not in COMM_BACKENDS:
-            raise ValueError(f"moe_comm_backend must be one of {COMM_BACKENDS}, got {self.moe_comm_backend!r}")
-        if self.moe_comm_backend != "standard" and self.trainer == "model":
-            raise ValueError("moe_comm_backend: the model mode exchanges through the standard all-to-all only")
-        if self.ep < 0 or (self.ep and self.trainer == "model"):
-            raise ValueError(f"ep is torchtitan's trainer's expert-parallel degree (0: every rank), got {self.ep}")
-        from harness.reference.model import CONFIGS
-
-        if self.model not in CONFIGS:
-            raise ValueError(f"model must be one of {sorted(CONFIGS)}, got {self.model!r}")
-        cfg = CONFIGS[self.model]
-        if cfg.rope_type != "default":
-            raise ValueError(f"model {self.model}: torchtitan does not scale cos/sin for {cfg.rope_type}")
-
-
-def synthetic_batch(config: TitanConfig, vocab: int, step: int, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Uniform token ids seeded by (seed, step, rank): every process derives its own batch."""
-    gen = torch.Generator().manual_seed(config.seed * 1_000_003 + step * 8_191 + rank)
-    tokens = torch.randint(vocab, (config.local_batch, config.seq_len + 1), generator=gen)
-    return tokens[:, :-1], tokens[:, 1:]
 
 
 class TitanArm(protocol.ArmBase):
@@ -170,55 +117,6 @@ class TitanArm(protocol.ArmBase):
         return {self.rank: self._named(lambda p: p)}
 
 
-def grad_or_zeros(param: torch.Tensor) -> torch.Tensor:
-    """A parameter's gradient; zeros for one the loss did not reach."""
-    return param.grad if param.grad is not None else torch.zeros_like(param)
-
-
-class ExchangeEvents:
-    """A launch event around each MoE layer's forward dispatch and combine all-to-all of torchtitan's
-    ``AllToAllTokenDispatcher`` (rows sent to and received from each rank), taken by wrapping its
-    exchange methods; ``step`` is the step the events belong to, set by the arm."""
-
-    def __init__(self, model: torch.nn.Module, layers: list[int], recorder: protocol.Recorder | None, rank: int):
-        self.model, self.layers, self.recorder, self.rank = model, layers, recorder, rank
-        self.step, self._seq = 0, 0
-
-    def record(self) -> None:
-        for layer in self.layers:
-            dispatcher = self.model.layers[str(layer)].moe.routed_experts.token_dispatcher
-            dispatch, combine = dispatcher._dispatch_token_exchange, dispatcher._combine_token_exchange
-
-            def dispatched(x, pg, output_splits, input_splits, layer=layer, send=dispatch):
-                self._launch("dispatch", layer, input_splits, output_splits)
-                return send(x, pg, output_splits, input_splits)
-
-            def combined(x, pg, input_splits, output_splits, layer=layer, send=combine):
-                self._launch("combine", layer, output_splits, input_splits)
-                return send(x, pg, input_splits, output_splits)
-
-            dispatcher._dispatch_token_exchange = dispatched
-            dispatcher._combine_token_exchange = combined
-
-    def _launch(self, name: str, layer: int, send: list[int], recv: list[int]) -> None:
-        event = {
-            "step": self.step,
-            "phase": "fwd",
-            "layer": layer,
-            "chunk": 0,
-            "kind": name,
-            "op": "launch",
-            "name": name,
-            "buffer_set": 0,  # torchtitan allocates each exchange's output: no sets to rotate
-            "seq": self._seq,
-            "rows": sum(recv),
-            "send_counts": list(send),
-            "recv_counts": list(recv),
-        }
-        self._seq += 1
-        self.recorder.exchange_event(self.rank, event)
-
-
 def arm_facts(config: TitanConfig) -> protocol.ArmFacts:
     """What the checks know of an arm: the MoE layers of its model, each exchanging its tokens whole
     (one chunk, one buffer set), and the counts forced-balanced routing gives."""
@@ -283,8 +181,6 @@ class Torchtitan(protocol.SubjectBase):
     def build(self, context: protocol.ArmContext) -> protocol.Arm:
         if TitanConfig(**context.arm.train).trainer == "model":
             return TitanArm(context)
-        from harness.subject.titan_trainer import TitanTrainerArm
-
         return TitanTrainerArm(context)
 
 
