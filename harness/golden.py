@@ -119,10 +119,6 @@ class Golden:
             return dict.fromkeys(sorted(metrics), fixed)
         return {m: calibration.tier(m) if m in calibration.noise else fixed for m in sorted(metrics)}
 
-    def cross_env_how(self, fixed: dict) -> str:
-        calibration = self.calibration
-        return calibration.describe() if calibration else tier_from_spec(fixed).describe()
-
     def to_dict(self) -> dict:
         arms = {arm: {m: _trajectory(s) for m, s in metrics.items()} for arm, metrics in self.arms.items()}
         return {

@@ -93,9 +93,9 @@ class GoldenPlan:
         root = Path(record["root"]) if record["root"] else None
         golden = load_golden(Path(compared)) if compared else None
         fingerprint, path = record.get("fingerprint"), Path(record["path"])
+        calibration = golden.calibration if golden is not None and golden.env_key != path.stem else None
         how = tier_from_spec(record["tier"]).describe() if record["tier"] else None
-        if golden is not None and golden.env_key != path.stem:
-            how = golden.cross_env_how(record["tier"])
+        how = calibration.describe() if calibration else how
         missing = record.get("missing_for_this_environment", golden is not None and golden.env_key != path.stem)
         return cls(record["mode"], path, golden, record["tier"], record["note"], root, how, fingerprint, missing)
 
@@ -252,8 +252,9 @@ def plan_golden(
         return plan(
             "off", note=f"golden: not compared: {shown(source)} is for another configuration: {'; '.join(differences)}"
         )
+    calibration = golden.calibration if source != path else None  # the cross-environment tier, measured
     tier = golden.tier if source == path else tier_from_spec(cross_env_tier).spec()
-    how = tier_from_spec(tier).describe() if source == path else golden.cross_env_how(tier)
+    how = calibration.describe() if calibration else tier_from_spec(tier).describe()
     prefix = f", its first {config['steps']} of {golden.steps} steps" if config["steps"] < golden.steps else ""
     lead = "will compare with " if source == path else loose_lead(key, golden.env_key, "will compare") + ": "
     return plan("check", golden, tier, f"golden: {lead}{shown(source)}{prefix}, {how}", how)
