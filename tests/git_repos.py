@@ -79,6 +79,8 @@ COMMENT_ONLY = replace_in(
 
 # One eager arm of the reference whose router scales its weights (cpu-tiny's own factor is 1.0, which scaling
 # twice would leave as it is): the suite of the change and bisect tests.
+# ONE_ARM_SUITE on one process (EP 1): each launch starts one rank process, not two, and ops can be recorded.
+ONE_PROCESS = ("--ranks", 1)
 ONE_ARM_SUITE = """
 name = "change-one"
 description = "one eager arm of the reference"

@@ -10,7 +10,7 @@ import subprocess
 from pathlib import Path
 
 import pytest
-from git_repos import ONE_ARM_SUITE, ROUTED_SCALING_TWICE, GitRepo, append_to, copy_reference
+from git_repos import ONE_ARM_SUITE, ONE_PROCESS, ROUTED_SCALING_TWICE, GitRepo, append_to, copy_reference
 
 from harness.bisect import max_probes, pick
 
@@ -62,7 +62,7 @@ def test_bisect_names_the_commit_that_changed_the_numerics_skipping_one_that_doe
     before = _state(repo.root)
 
     result = run_harness(
-        "bisect", suite, "--good", shas[0], "--bad", "HEAD", "--source", repo.root, "--steps", 2, "--ranks", 2,
+        "bisect", suite, "--good", shas[0], "--bad", "HEAD", "--source", repo.root, "--steps", 2, *ONE_PROCESS,
         "--golden", "off", "--out", out,
         env={"XDG_CACHE_HOME": tmp_path / "cache"}, timeout=600,
     )  # fmt: skip

@@ -10,7 +10,15 @@ from pathlib import Path
 from typing import NamedTuple
 
 import pytest
-from git_repos import COMMENT_ONLY, ONE_ARM_SUITE, ROUTED_SCALING_TWICE, GitRepo, copy_reference, replace_in
+from git_repos import (
+    COMMENT_ONLY,
+    ONE_ARM_SUITE,
+    ONE_PROCESS,
+    ROUTED_SCALING_TWICE,
+    GitRepo,
+    copy_reference,
+    replace_in,
+)
 
 from harness.verdict import EXIT_FAIL, EXIT_PASS, EXIT_USAGE
 
@@ -83,7 +91,7 @@ def test_a_planted_numerics_change_fails_naming_the_step_the_parameter_and_the_o
     run_harness, history: History, tmp_path: Path
 ) -> None:
     out = tmp_path / "run"
-    change = ("--base", history.shipped, "--head", history.scaling_twice, "--source", history.repo.root)
+    change = ("--base", history.shipped, "--head", history.scaling_twice, "--source", history.repo.root, *ONE_PROCESS)
     run = run_harness("run", history.suite, *change, "--first-op", "on", "--out", out, timeout=400)
     assert run.returncode == EXIT_FAIL, run.stdout + run.stderr
     summary = _summary(out)
