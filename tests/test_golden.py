@@ -374,6 +374,12 @@ def test_an_update_diffs_against_the_golden_it_replaces_as_read_when_it_writes(t
     assert "  eager/loss: changed: first divergence at step 3:" in "\n".join(news)
     assert "  graph/loss: unchanged (5 steps)" in news
     assert load_golden(plan.path).arms["eager"]["loss"].equals(moved["eager"]["loss"])
+    # A calibration measures the noise between environments, not this one's values: an update keeps it.
+    calibrated = json.loads(plan.path.read_text())
+    calibrated["provenance"]["calibration"] = {"noise": {"loss": 1e-7}, "margin": 10.0, "measured": ["a vs b"]}
+    plan.path.write_text(json.dumps(calibrated))
+    update_golden(plan, suite, manifest, metrics)
+    assert load_golden(plan.path).provenance["calibration"] == calibrated["provenance"]["calibration"]
 
 
 def test_no_golden_is_an_error_under_check_and_a_stated_skip_under_auto(tmp_path):
