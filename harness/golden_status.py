@@ -28,6 +28,7 @@ from harness.specs import SuiteSpec
 from harness.suites import list_suites, load_suite
 
 TABLE_BEGIN, TABLE_END = "<!-- golden-table:begin -->", "<!-- golden-table:end -->"
+CALIBRATE = "harness golden calibrate"
 
 
 @dataclass(frozen=True)
@@ -41,6 +42,7 @@ class Inventory:
     # suite -> env key -> how its golden's configuration differs from the suite's: a golden no run of
     # the suite compares with (golden_plan.plan_golden), however present it looks
     stale: dict[str, dict[str, str]]
+    calibrated: dict[str, frozenset[str]]  # suite -> the env keys whose golden carries a calibration
 
 
 def golden_inventory(golden_dir: Path, suites_dir: Path) -> Inventory:
@@ -51,6 +53,7 @@ def golden_inventory(golden_dir: Path, suites_dir: Path) -> Inventory:
     suites = {name: load_suite(name, suites_dir=suites_dir) for name, _ in list_suites(suites_dir)}
     recorded: dict[str, set[str]] = {}
     stale: dict[str, dict[str, str]] = {}
+    calibrated: dict[str, set[str]] = {}
     for path in sorted(golden_dir.glob("*/*.json")):
         golden = load_golden_for(path, path.parent.name)
         try:
@@ -58,6 +61,8 @@ def golden_inventory(golden_dir: Path, suites_dir: Path) -> Inventory:
         except ValueError as e:
             raise GoldenError(path, "env_key", str(e)) from None
         recorded.setdefault(golden.suite, set()).add(golden.env_key)
+        if golden.calibration is not None:
+            calibrated.setdefault(golden.suite, set()).add(golden.env_key)
         if golden.suite in suites:
             differences = _configuration_differences(golden, suites[golden.suite])
             if differences:
@@ -73,6 +78,7 @@ def golden_inventory(golden_dir: Path, suites_dir: Path) -> Inventory:
         {suite: frozenset(recorded.get(suite, ())) for suite in sorted(dtypes)},
         tuple(sorted(environments)),
         stale,
+        {suite: frozenset(keys) for suite, keys in calibrated.items()},
     )
 
 
@@ -106,7 +112,10 @@ def status_lines(inventory: Inventory, pin: CpuPin) -> list[str]:
                 continue
             other = next(iter(comparable_env_keys(key, inventory.recorded[suite])), None)
             none = f"this environment's golden ({key}) is missing, and none is comparable: a run compares with none"
-            instead = loose_lead(key, other, "a run compares") if other else none
+            tier = (
+                "calibrated" if other in inventory.calibrated.get(suite, ()) else f"not calibrated: {CALIBRATE} {suite}"
+            )
+            instead = f"{loose_lead(key, other, 'a run compares')} ({tier})" if other else none
             lines.append(f"missing  {suite:<{width}}  {instead}")
     return lines
 

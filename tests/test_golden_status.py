@@ -105,17 +105,26 @@ def test_status_says_ok_or_missing_and_what_a_run_compares_with_instead(harness_
     mine = run_env_key("cpu", "float32")
     other = INTEL if mine != INTEL else AMD
     own = _copy_golden(GOLDENS / "determinism" / f"{AMD}.json", goldens, "determinism", mine)
-    _copy_golden(GOLDENS / "parity" / f"{AMD}.json", goldens, "parity", other)
+    loose = _copy_golden(GOLDENS / "parity" / f"{AMD}.json", goldens, "parity", other)
     status = harness_main("golden", "status", "--golden-dir", goldens, "--suites-dir", suites)
     assert status.returncode == 0, status.stdout + status.stderr
     bf16 = run_env_key("cpu", "bf16-mixed")
+    parity = (
+        f"missing  parity       this environment's golden ({mine}) is missing;"
+        f" a run compares loosely with {other} at the cross-environment tier"
+    )
     assert status.stdout.splitlines() == [
         f"ok       determinism  {own.relative_to(goldens)}",
-        f"missing  parity       this environment's golden ({mine}) is missing;"
-        f" a run compares loosely with {other} at the cross-environment tier",
+        f"{parity} (calibrated)",
         f"missing  parity-bf16  this environment's golden ({bf16}) is missing, and none is comparable:"
         " a run compares with none",
     ]
+    # Without a calibration the loose comparison is at the suite's fixed tier, and the line says how to measure one.
+    uncalibrated = json.loads(loose.read_text())
+    del uncalibrated["provenance"]["calibration"]
+    loose.write_text(json.dumps(uncalibrated))
+    status = harness_main("golden", "status", "--golden-dir", goldens, "--suites-dir", suites)
+    assert f"{parity} (not calibrated: harness golden calibrate parity)" in status.stdout.splitlines()
 
 
 def test_status_refuses_a_golden_dir_that_is_not_there(harness_main, tmp_path: Path) -> None:
