@@ -42,7 +42,7 @@ from harness.launching import Launched
 from harness.op_rerun import NotLocated, OpRerun
 from harness.prepare import PreparedRun
 from harness.records import RunRecords
-from harness.results import CheckResult
+from harness.results import FAILED_AS_EXPECTED, CheckResult
 from harness.subject.protocol import RECORD_OPS
 
 MODES = ("auto", "on", "off")
@@ -59,14 +59,16 @@ def locate_first_op(
 ) -> Judgement:
     """The judgement with the first op where the arms of its first failed bit-level check part, as
     that check's ``extra.first_op_divergence``, where ``run.options.first_op`` asks for it; the
-    verdict and exit code stay as they are."""
+    verdict and exit code stay as they are. ``on`` locates a negative suite's expected failures too
+    (where the system under test is known to part, the op is what its authors need)."""
     mode = run.options.first_op
-    if mode == "off" or judgement.verdict != "fail":
+    if mode == "off" or judgement.verdict not in ("fail", FAILED_AS_EXPECTED):
         return judgement
+    statuses = ("fail", "xfail") if mode == "on" else ("fail",)
     failed = [
         (c.first_divergent_step, i)
         for i, c in enumerate(judgement.checks)
-        if c.kind in BIT_LEVEL and c.status == "fail" and len(c.arms) == 2 and c.first_divergent_step is not None
+        if c.kind in BIT_LEVEL and c.status in statuses and len(c.arms) == 2 and c.first_divergent_step is not None
     ]
     if not failed:
         if mode == "on":

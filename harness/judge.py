@@ -22,15 +22,17 @@ from harness.checks import run_check
 from harness.environment import CpuPin
 from harness.launchers import LaunchResult
 from harness.launching import Launched
-from harness.plan import LaunchGroup
+from harness.plan import LaunchGroup, expected_raise
 from harness.prepare import PreparedRun
 from harness.records import ArmRecords, RunRecords
 from harness.results import BAD_INPUT, REGRESSION, CheckResult
 from harness.revisions import Revision
-from harness.specs import CheckSpec, SuiteSpec
+from harness.specs import ArmSpec, CheckSpec, SuiteSpec
+from harness.triage import raised_exception
 from harness.verdict import apply_expectations, conclude, label_line, mark_not_evaluated, run_label, unrun_arms
 
 log = logging.getLogger("harness")
+EXPECT_RAISE = "expect-raise"  # the kind of an arm expected to raise's check (expected_raise_check)
 
 
 @dataclass(frozen=True)
@@ -80,12 +82,16 @@ def _checks(run: PreparedRun, launched: Launched, records: RunRecords) -> tuple[
     return collect_checks(run.suite, run.checks, run.groups, launched.results, records, run.pin, revisions)
 
 
-def launch_checks(launches: list[LaunchResult]) -> list[CheckResult]:
+def launch_checks(launches: list[LaunchResult], arms: Mapping[str, ArmSpec]) -> list[CheckResult]:
     """A failed launch group as a check: "rank k raised" (a regression) when its root cause raised
     from the system under test, "bad input" when it refused a checkpoint (its line names the file),
-    else an infrastructure error."""
+    else an infrastructure error. The launch of an arm expected to raise is judged by
+    :func:`expected_raise_check`, whether it failed or not."""
     checks = []
     for r in launches:
+        if (text := expected_raise(r.group, arms)) is not None:
+            checks.append(expected_raise_check(r, r.group.arms[0], text))
+            continue
         if r.ok:
             continue
         if r.verdict is not None and r.verdict.kind == BAD_INPUT:
@@ -99,6 +105,26 @@ def launch_checks(launches: list[LaunchResult]) -> list[CheckResult]:
                 CheckResult(f"launch: {r.group.name}", "launch", "error", r.headline, extra={"error": r.error})
             )
     return checks
+
+
+def expected_raise_check(r: LaunchResult, arm: str, text: str) -> CheckResult:
+    """ "ARM: raises": an expected failure (xfail) when a rank raised from the system under test with
+    ``text`` in its exception's line; a failure when it ran every step (the system under test no
+    longer raises there: the suite must say so) or raised something else; an infrastructure error
+    stays one."""
+    name, expected = f"{arm}: raises", f"expected to raise {text!r}"
+    if r.ok:
+        return CheckResult(name, EXPECT_RAISE, "fail", f"{expected}, but ran every step: drop expect_raise", arms=[arm])
+    if r.verdict is None or r.verdict.kind != REGRESSION:
+        return CheckResult(f"launch: {r.group.name}", "launch", "error", r.headline, extra={"error": r.error})
+    extra = {"traceback": r.root.traceback, "log": r.root.log, "error": r.error}
+    raised = raised_exception(r.root.traceback)
+    where = f"rank {r.root.rank}, {r.verdict.reason}"
+    if text in raised:
+        detail = f"raised as expected ({where}): {raised.splitlines()[0]}"
+        return CheckResult(name, EXPECT_RAISE, "xfail", detail, extra=extra, arms=[arm])
+    detail = f"{expected}, raised instead ({where}): {raised}"
+    return CheckResult(name, EXPECT_RAISE, "fail", detail, extra=extra, arms=[arm])
 
 
 def record_checks(
@@ -134,11 +160,14 @@ def collect_checks(
     golden's), all on whatever the arms recorded: a check never passes on steps that did not run,
     and a check of an arm that a failed launch never ran is not evaluated (verdict.py). A change
     check's results are judged as a change (``revisions``: harness/change.py), with its opening line."""
-    failures = launch_checks(launches)
+    failures = launch_checks(launches, suite.arms)
     recorded = record_checks(suite, records, pin, crashed=bool(failures))
     checks, change = _run(planned, suite, records), None
     if revisions:
         checks, change = judge_change(checks, planned, suite, records, revisions, launched=not failures)
+    # An arm that raised as expected has nothing to judge: its "raises" row stands for its checks.
+    raised = {c.arms[0] for c in failures if c.kind == EXPECT_RAISE and c.status == "xfail"}
+    checks = [c for c in checks if not raised.intersection(c.arms)]
     checks = mark_not_evaluated([*recorded, *checks], unrun_arms(suite, groups, launches, records))
     return [*failures, *apply_expectations(suite, checks)], change
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import TextIO
 
@@ -19,7 +20,10 @@ from harness.base_cache import keep_base
 from harness.cancel import Cancelled
 from harness.launchers import GroupLauncher, LaunchContext, LaunchResult
 from harness.phases import cache_notes, read_rank_phases
+from harness.plan import expected_raise
 from harness.prepare import PreparedRun
+from harness.results import REGRESSION
+from harness.specs import ArmSpec
 
 log = logging.getLogger("harness")
 
@@ -59,7 +63,8 @@ def launch_run(run: PreparedRun, launch: GroupLauncher, out: TextIO, err: TextIO
                     result = launch(group, context)
                 log.info("group %s: %s", group.name, result.headline or "ok")
                 launched.results.append(result)
-                if not result.ok or kind.measured_enough(run.run_dir, group):
+                raised_as_expected = _raised_as_expected(result, run.suite.arms)
+                if (not result.ok and not raised_as_expected) or kind.measured_enough(run.run_dir, group):
                     break
     except Cancelled as c:
         launched.cancelled = c
@@ -67,7 +72,7 @@ def launch_run(run: PreparedRun, launch: GroupLauncher, out: TextIO, err: TextIO
         log.exception("internal error while launching the suite")
         launched.internal_error = f"internal error: {type(e).__name__}: {e}"
     for result in launched.results:
-        if result.error:
+        if result.error and not _raised_as_expected(result, run.suite.arms):
             print(f"error: {result.error}", file=err)
     launched.rank_phases = {group.name: read_rank_phases(run.run_dir, group.name) for group in run.groups}
     ran_all = len(launched.results) == len(run.groups) and all(r.ok for r in launched.results)
@@ -76,3 +81,13 @@ def launch_run(run: PreparedRun, launch: GroupLauncher, out: TextIO, err: TextIO
         print(line, file=out)
         log.info(line)
     return launched
+
+
+def _raised_as_expected(result: LaunchResult, arms: Mapping[str, ArmSpec]) -> bool:
+    """Whether the launch of an arm expected to raise failed because the system under test raised:
+    its check says how (judge.py), and the other launches go on."""
+    return (
+        expected_raise(result.group, arms) is not None
+        and result.verdict is not None
+        and result.verdict.kind == REGRESSION
+    )

@@ -9,12 +9,13 @@ anything launches, written into manifest.json as data, and read back typed by ev
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
 from harness.abba import BLOCK
 from harness.rundir import LOGS_DIR
-from harness.specs import SuiteSpec, ThroughputSpec
+from harness.specs import ArmSpec, SuiteSpec, ThroughputSpec
 
 SERIES = ("main", "control")
 
@@ -81,36 +82,50 @@ def plan_launches(suite: SuiteSpec) -> list[LaunchGroup]:
     launches, then their loading ones. Resumed arms that save on the same process count after the
     same step share their saving launch, and so for loading: their arms run in turn in it, as in
     any group, and a launch's start-up (seconds) is paid once. Arms of a change's two revisions
-    never share a launch: a process imports one revision of the subject."""
-    by_ranks: dict[tuple[str | None, int], list[str]] = {}
+    never share a launch: a process imports one revision of the subject. An arm expected to raise
+    (``ArmSpec.expect_raise``) has a launch of its own: its raise must take no other arm down."""
+    by_ranks: dict[tuple[str | None, int, str | None], list[str]] = {}
     saving: dict[tuple[str | None, int, int], list[str]] = {}
     loading: dict[tuple[str | None, int, int], list[str]] = {}
     for arm in suite.arms.values():
         if arm.resume_at is None:
-            by_ranks.setdefault((arm.revision, arm.ranks), []).append(arm.name)
+            alone = arm.name if arm.expect_raise else None
+            by_ranks.setdefault((arm.revision, arm.ranks, alone), []).append(arm.name)
         else:
             saving.setdefault((arm.revision, arm.ranks, arm.resume_at), []).append(arm.name)
             loading.setdefault((arm.revision, arm.resume_ranks or arm.ranks, arm.resume_at), []).append(arm.name)
     single = len(by_ranks) == 1 and not saving
     groups = [
         LaunchGroup(
-            "+".join(arms), ranks, tuple(arms), LOGS_DIR if single else f"{LOGS_DIR}/{'+'.join(arms)}", revision=rev
+            joined(arms), ranks, tuple(arms), LOGS_DIR if single else f"{LOGS_DIR}/{joined(arms)}", revision=rev
         )
-        for (rev, ranks), arms in by_ranks.items()
+        for (rev, ranks, _), arms in by_ranks.items()
     ]
     for (rev, ranks, at), arms in saving.items():
-        name = f"{'+'.join(arms)}@1-{at}"
+        name = f"{joined(arms)}@1-{at}"
         groups.append(
             LaunchGroup(name, ranks, tuple(arms), f"{LOGS_DIR}/{name}", last_step=at, checkpoint="save", revision=rev)
         )
     for (rev, ranks, at), arms in loading.items():
-        name = f"{'+'.join(arms)}@{at + 1}-"
+        name = f"{joined(arms)}@{at + 1}-"
         groups.append(
             LaunchGroup(
                 name, ranks, tuple(arms), f"{LOGS_DIR}/{name}", first_step=at + 1, checkpoint="load", revision=rev
             )
         )
     return groups
+
+
+def joined(arms: list[str]) -> str:
+    """A launch group's name, its folder's under logs/: its arms joined by "+", or past a few (a folder's
+    name has at most 255 bytes) the first and how many more; an arm is in one group of a kind."""
+    name = "+".join(arms)
+    return name if len(arms) <= 4 and len(name) <= 160 else f"{arms[0]}+{len(arms) - 1}-more"
+
+
+def expected_raise(group: LaunchGroup, arms: Mapping[str, ArmSpec]) -> str | None:
+    """The text an arm expected to raise must raise with, when ``group`` is that arm's launch."""
+    return arms[group.arms[0]].expect_raise if len(group.arms) == 1 else None
 
 
 def plan_measurements(spec: ThroughputSpec) -> list[Measurement]:

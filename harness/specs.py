@@ -27,7 +27,9 @@ class ArmSpec:
     are what the checks know of it beyond its records (the checks read them, never ``train``).
     ``revision``: in a change check (harness/change.py), the side of the change whose code the arm
     runs, ``base`` or ``head`` (its ranks import the subject's package from there); None: the
-    installed code."""
+    installed code. ``expect_raise``: the system under test is known to raise in this arm, with this
+    text in the exception's line; the arm runs in a launch of its own, so that it takes no other arm
+    down, and the raise is an expected failure until a release stops raising it (judge.py)."""
 
     name: str
     ranks: int
@@ -42,6 +44,7 @@ class ArmSpec:
     resume_ranks: int | None = None
     facts: ArmFacts = ArmFacts()
     revision: str | None = None
+    expect_raise: str | None = None
 
     def emits(self, family: str) -> bool:
         return family in self.families

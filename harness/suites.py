@@ -293,8 +293,17 @@ class _Validator:
         arms_raw = raw["arms"]
         if not isinstance(arms_raw, dict) or not arms_raw:
             raise self.error("arms", f"expected at least one [arms.NAME] table, got {show(arms_raw)}")
+        raises = self.expected_raises(arms_raw)
+        arms_raw = {
+            name: {k: v for k, v in table.items() if k != "expect_raise"} if isinstance(table, dict) else table
+            for name, table in arms_raw.items()
+        }
         tables = SuiteTables(raw.get("model", {}), raw.get("train", {}), arms_raw, ranks, steps, path, self.device)
         arms = self.parse_arms(tables)
+        for arm, text in raises.items():
+            if arms[arm].resume_at is not None:
+                raise self.error(f"arms.{arm}.expect_raise", "an arm expected to raise does not resume")
+            arms[arm] = dataclasses.replace(arms[arm], expect_raise=text)
         throughput = self.throughput(raw["throughput"], arms) if "throughput" in raw else None
         checks_raw = raw.get("checks", [])
         if not isinstance(checks_raw, list) or (not checks_raw and throughput is None):
@@ -327,6 +336,18 @@ class _Validator:
             raw.get("subject", DEFAULT),
             change_tier,
         )
+
+    def expected_raises(self, arms_raw: dict) -> dict[str, str]:
+        """Each arm's ``expect_raise``, a key of the harness in any subject's arm table: the text the
+        line of the exception the system under test is known to raise in that arm must contain."""
+        raises = {}
+        for name, table in arms_raw.items():
+            if isinstance(table, dict) and "expect_raise" in table:
+                text = self.str_(table["expect_raise"], f"arms.{name}.expect_raise")
+                if not text.strip():
+                    raise self.error(f"arms.{name}.expect_raise", "empty: name the text of the exception's line")
+                raises[name] = text
+        return raises
 
     def change(self, raw: Any) -> dict[str, Any]:
         """[change]: the tier at which each arm at a change's head must match itself at its base

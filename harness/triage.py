@@ -72,6 +72,17 @@ def exception_line(traceback: str) -> str:
     return lines[-1].strip() if lines else ""
 
 
+def raised_exception(traceback: str) -> str:
+    """The exception a traceback ends with, all its lines (a message may span many: an FX graph's
+    printout): what follows the innermost frame and its source line."""
+    lines = traceback.strip().splitlines()
+    frames = [i for i, line in enumerate(lines) if line.startswith("  File ")]
+    after = lines[frames[-1] + 1 :] if frames else lines
+    while after and after[0].startswith(" "):
+        after = after[1:]
+    return "\n".join(after).strip()
+
+
 def oom_kills() -> int | None:
     """The cgroup's OOM-kill counter (cgroup v2), or None where it cannot be read."""
     try:

@@ -138,18 +138,24 @@ def unrun_arms(
     """Arm -> why it never ran: it recorded no step (a resumed arm's second launch: it never loaded
     its checkpoint), and its launch group failed or never started because an earlier one failed.
     Empty when every launch succeeded."""
-    failed = next((r for r in launches if not r.ok), None)
-    if failed is None:
+    if all(r.ok for r in launches):
         return {}
-    root = f" (root cause: rank {failed.root.rank})" if failed.root and not failed.timed_out else ""
-    cause = f"launch {failed.group.name} failed{root}"
-    launched = {r.group.name for r in launches}
+
+    def cause(r: LaunchResult) -> str:
+        root = f" (root cause: rank {r.root.rank})" if r.root and not r.timed_out else ""
+        return f"launch {r.group.name} failed{root}"
+
+    results = {r.group.name: r for r in launches}
     why = {}
     for group in groups:
-        ended = group.name == failed.group.name or group.name not in launched
-        for arm in group.arms if ended else ():
+        result = results.get(group.name)
+        if result is not None and result.ok:
+            continue
+        # A group never started when the last launch failed: launching stops at a failure.
+        because = cause(result) if result else f"launch {group.name} never started: {cause(launches[-1])}"
+        for arm in group.arms:
             if arm in records and not _trained(records[arm], group):
-                why[arm] = cause if group.name in launched else f"launch {group.name} never started: {cause}"
+                why[arm] = because
     return why
 
 
