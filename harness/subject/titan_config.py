@@ -12,7 +12,13 @@ from harness.subject import protocol
 
 ROUTINGS = ("learned", "forced-balanced")
 EXPERTS = ("bf16", "fp32")
-TRAINERS = ("torchtitan", "model")
+TRAINERS = ("torchtitan", "graph", "model")
+# torchtitan's EP-overlap chunking in its GraphTrainer (experiments/graph_trainer): "none"; "eager", its
+# module forwards wrapped in two chunks and run eagerly; "eager-traced", the same traced by make_fx;
+# "graph", the unchunked step traced and chunked by its FX pass. Its chunk roots: every transformer
+# block with an MoE, or every MoE block.
+CHUNKINGS = ("none", "eager", "eager-traced", "graph")
+CHUNK_ROOTS = ("layers.*", "layers.*.moe")
 # torchtitan's token dispatchers (its moe_comm_backend): "standard" is its all-to-all, local dispatch at
 # EP 1; the others need CUDA (DeepEP's and HybridEP's kernels, MinimalAsyncEP's symmetric memory).
 COMM_BACKENDS = ("standard", "deepep", "hybridep", "minimal_async_ep")
@@ -23,7 +29,7 @@ class TitanConfig:
     """One arm: who trains (torchtitan's Trainer, or the harness's loop around torchtitan's model), the
     model's shape (a reference model config), routing, data, optimizer and expert parallelism."""
 
-    trainer: str = "torchtitan"  # torchtitan's own Trainer (titan_trainer.py), or "model": the model alone
+    trainer: str = "torchtitan"  # torchtitan's Trainer (titan_trainer.py), its GraphTrainer ("graph"), or "model"
     model: str = "cpu-tiny"  # a reference model config name (harness.reference.model.CONFIGS)
     routing: str = "learned"  # or torchtitan's round-robin "forced-balanced"
     experts: str = "bf16"  # torchtitan's routed experts as shipped, or "fp32"
@@ -34,6 +40,8 @@ class TitanConfig:
     warmup_steps: int = 2  # torchtitan's LR warmup (its debug recipe's); the model mode's LR is constant
     ep: int = 0  # the trainer's expert-parallel degree; 0: every rank (the model mode's only layout)
     moe_comm_backend: str = "standard"  # the trainer's token dispatcher (COMM_BACKENDS)
+    chunking: str = "none"  # the GraphTrainer's EP-overlap chunking (CHUNKINGS)
+    chunk_root: str = "layers.*"  # its chunk roots, torchtitan's module pattern (CHUNK_ROOTS)
     seed: int = 42
 
     def __post_init__(self) -> None:
@@ -47,6 +55,14 @@ class TitanConfig:
             raise ValueError(f"moe_comm_backend must be one of {COMM_BACKENDS}, got {self.moe_comm_backend!r}")
         if self.moe_comm_backend != "standard" and self.trainer == "model":
             raise ValueError("moe_comm_backend: the model mode exchanges through the standard all-to-all only")
+        if self.chunking not in CHUNKINGS:
+            raise ValueError(f"chunking must be one of {CHUNKINGS}, got {self.chunking!r}")
+        if self.chunk_root not in CHUNK_ROOTS:
+            raise ValueError(f"chunk_root must be one of {CHUNK_ROOTS}, got {self.chunk_root!r}")
+        if self.chunking != "none" and self.trainer != "graph":
+            raise ValueError(
+                f'chunking: torchtitan chunks in its GraphTrainer (trainer = "graph"), not {self.trainer!r}'
+            )
         if self.ep < 0 or (self.ep and self.trainer == "model"):
             raise ValueError(f"ep is torchtitan's trainer's expert-parallel degree (0: every rank), got {self.ep}")
         from harness.reference.model import CONFIGS
@@ -56,6 +72,20 @@ class TitanConfig:
         cfg = CONFIGS[self.model]
         if cfg.rope_type != "default":
             raise ValueError(f"model {self.model}: torchtitan does not scale cos/sin for {cfg.rope_type}")
+
+    @property
+    def traced(self) -> bool:
+        """Whether torchtitan traces the step (its GraphTrainer's ``aot_fx_trace``): the Python of its
+        modules then runs once, at the trace, and never again."""
+        return self.trainer == "graph" and self.chunking != "eager"
+
+
+# torchtitan's functional collectives return their output at once and fill it in the background
+# until its wait_tensor: a recorder hashes the wait's output, not theirs.
+IN_FLIGHT_OPS = frozenset(
+    f"_c10d_functional.{name}.default"
+    for name in ("all_to_all_single", "all_gather_into_tensor", "reduce_scatter_tensor", "all_reduce")
+)
 
 
 def synthetic_batch(config: TitanConfig, vocab: int, step: int, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -73,11 +103,13 @@ def grad_or_zeros(param: torch.Tensor) -> torch.Tensor:
 class ExchangeEvents:
     """A launch event around each MoE layer's forward dispatch and combine all-to-all of torchtitan's
     ``AllToAllTokenDispatcher`` (rows sent to and received from each rank), taken by wrapping its
-    exchange methods; ``step`` is the step the events belong to, set by the arm."""
+    exchange methods; ``step`` is the step the events belong to, set by the arm. Under eager chunking a
+    layer's dispatcher runs once per chunk in a step, in chunk order: the event carries the chunk."""
 
     def __init__(self, model: torch.nn.Module, layers: list[int], recorder: protocol.Recorder | None, rank: int):
         self.model, self.layers, self.recorder, self.rank = model, layers, recorder, rank
         self.step, self._seq = 0, 0
+        self._chunks: dict[tuple[int, int, str], int] = {}  # (step, layer, kind) -> exchanges so far
 
     def record(self) -> None:
         for layer in self.layers:
@@ -96,11 +128,15 @@ class ExchangeEvents:
             dispatcher._combine_token_exchange = combined
 
     def _launch(self, name: str, layer: int, send: list[int], recv: list[int]) -> None:
+        if self._chunks and next(iter(self._chunks))[0] != self.step:
+            self._chunks.clear()
+        key = (self.step, layer, name)
+        chunk = self._chunks[key] = self._chunks.get(key, -1) + 1
         event = {
             "step": self.step,
             "phase": "fwd",
             "layer": layer,
-            "chunk": 0,
+            "chunk": chunk,
             "kind": name,
             "op": "launch",
             "name": name,

@@ -30,9 +30,9 @@ from __future__ import annotations
 
 import tempfile
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -40,7 +40,16 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
 from harness.subject import protocol
-from harness.subject.titan_config import ExchangeEvents, TitanConfig, grad_or_zeros, synthetic_batch
+from harness.subject.titan_config import (
+    IN_FLIGHT_OPS,
+    ExchangeEvents,
+    TitanConfig,
+    grad_or_zeros,
+    synthetic_batch,
+)
+
+if TYPE_CHECKING:
+    from harness.op_divergence import OpRecorder
 
 CPU_DEVICE_MODULES = (
     "torchtitan.tools.utils",
@@ -192,6 +201,51 @@ def trainer_config(config: TitanConfig, world: int, dump_folder: str) -> Any:
     return recipe
 
 
+# GraphTrainer passes that read a GPU: the transformer-block bucketing pass estimates each node's runtime
+# from the device's memory bandwidth (triton asks for a GPU driver), and the CUDA-graph pass captures.
+GPU_ONLY_PASSES = ("joint_transformer_block_bucketing_reordering_pass", "cudagraph_pass")
+
+
+def graph_trainer_config(recipe: Any, config: TitanConfig, device: str) -> Any:
+    """torchtitan's GraphTrainer config of a Trainer recipe (its own ``to_graph_trainer_config``), with
+    the arm's chunking: ``compile.mode`` is ``aot_fx_trace`` unless the arm runs eager chunking, which
+    only wraps module forwards; ``compile.ep_overlap`` carries the strategy and the chunk roots."""
+    from torchtitan.experiments.graph_trainer.configs import GraphTrainerCompileConfig, to_graph_trainer_config
+    from torchtitan.experiments.graph_trainer.deepseek_v3 import model_registry
+
+    graph = to_graph_trainer_config(recipe, model_registry)
+    graph.compile = GraphTrainerCompileConfig(enable=True, mode="aot_fx_trace" if config.traced else None)
+    if config.chunking != "none":
+        overlap = graph.compile.ep_overlap
+        overlap.enabled, overlap.module_fqn = True, config.chunk_root
+        overlap.strategy = "graph" if config.chunking == "graph" else "eager"
+    if device == "cpu":
+        graph.compile.disable_passes = list(GPU_ONLY_PASSES)
+    if config.chunking == "graph":
+        settle_unbacked_trace_inputs()
+    return graph
+
+
+def settle_unbacked_trace_inputs() -> None:
+    """Graph chunking marks the batch dimension of the step's inputs unbacked; making them fake leaves
+    their unbacked symbols pending, and torch 2.13's make_fx then binds them to the first node it
+    records (the inputs' list) and asserts. The symbols belong to the inputs: settled once made fake."""
+    from torchtitan.experiments.graph_trainer import make_fx_tracer
+
+    fakeify = make_fx_tracer._fakeify_input
+    if getattr(fakeify, "settles_unbacked", False):
+        return
+
+    def fakeify_settled(fake_mode: Any, *args: Any, **kwargs: Any) -> Any:
+        fake = fakeify(fake_mode, *args, **kwargs)
+        if fake_mode.shape_env is not None:
+            fake_mode.shape_env.pending_fresh_unbacked_symbols.clear()
+        return fake
+
+    fakeify_settled.settles_unbacked = True
+    make_fx_tracer._fakeify_input = fakeify_settled
+
+
 class TitanTrainerArm(protocol.ArmBase):
     """This process's rank of an arm: torchtitan's Trainer, stepped by the harness."""
 
@@ -207,8 +261,14 @@ class TitanTrainerArm(protocol.ArmBase):
         if context.device == "cpu":
             use_cpu()
         self._dump = tempfile.TemporaryDirectory(prefix="torchtitan-")
+        self._restore: list[Callable[[], None]] = []  # what record_ops replaced, put back at close
         recipe = trainer_config(self.config, self.world, self._dump.name)
-        self.trainer = Trainer(recipe)
+        if self.config.trainer == "graph":
+            from torchtitan.experiments.graph_trainer.trainer import GraphTrainer
+
+            self.trainer = GraphTrainer(graph_trainer_config(recipe, self.config, context.device))
+        else:
+            self.trainer = Trainer(recipe)
         self.model = self.trainer.model_parts[0]
         if dist.get_backend() == "gloo":
             for module in self.model.modules():
@@ -254,6 +314,32 @@ class TitanTrainerArm(protocol.ArmBase):
     def final_weights(self) -> Mapping[int, Mapping[str, torch.Tensor]]:
         return {self.rank: self._named(lambda p: p)}
 
+    def record_ops(self, recorder: OpRecorder) -> None:
+        """Readies the steps for ``recorder`` (the subject's ``record_ops``): each process one rank, its
+        ops on this thread. A traced step's trace and graph passes run once, in step 1, unrecorded
+        (their ops are fake, or compile); the graph then runs node by node through the recorder."""
+        recorder.placeholders |= IN_FLIGHT_OPS
+        if not self.config.traced:
+            return
+        from torch.utils._python_dispatch import _disable_current_modes
+        from torchtitan.experiments.graph_trainer import trainer as graph_trainer
+
+        trace, passes = graph_trainer.minimal_fx_tracer, graph_trainer.apply_graph_passes
+
+        def unrecorded(call: Any) -> Any:
+            def run(*args: Any, **kwargs: Any) -> Any:
+                with _disable_current_modes():
+                    return call(*args, **kwargs)
+
+            return run
+
+        graph_trainer.minimal_fx_tracer = lambda *a, **k: unrecorded(trace(*a, **k))
+        graph_trainer.apply_graph_passes = lambda *a, **k: recorder.interpret(unrecorded(passes)(*a, **k))
+        self._restore.append(lambda: setattr(graph_trainer, "minimal_fx_tracer", trace))
+        self._restore.append(lambda: setattr(graph_trainer, "apply_graph_passes", passes))
+
     def close(self) -> None:
+        for restore in self._restore:
+            restore()
         self.trainer.close()
         self._dump.cleanup()

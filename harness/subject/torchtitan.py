@@ -40,10 +40,17 @@ from torch.distributed.tensor import DTensor
 from harness import oracles
 from harness.subject import protocol
 from harness.subject.config import dataclass_arms
-from harness.subject.titan_config import ExchangeEvents, TitanConfig, grad_or_zeros, synthetic_batch
+from harness.subject.titan_config import (
+    IN_FLIGHT_OPS,
+    ExchangeEvents,
+    TitanConfig,
+    grad_or_zeros,
+    synthetic_batch,
+)
 from harness.subject.titan_trainer import TitanTrainerArm
 
 if TYPE_CHECKING:
+    from harness.op_divergence import OpRecorder
     from harness.specs import ArmSpec
 
 
@@ -109,6 +116,10 @@ class TitanArm(protocol.ArmBase):
         local = {n: t.to_local() if isinstance(t, DTensor) else t for n, t in local.items()}
         return self.names.from_titan({n: t.detach() for n, t in local.items()})
 
+    def record_ops(self, recorder: OpRecorder) -> None:
+        """Readies the steps for ``recorder``: one rank per process, every op on this thread."""
+        recorder.placeholders |= IN_FLIGHT_OPS
+
     def info(self) -> protocol.ArmFacts:
         """The MoE layers of the built model."""
         return protocol.ArmFacts(moe_layers=tuple(self.moe_layers))
@@ -119,13 +130,14 @@ class TitanArm(protocol.ArmBase):
 
 def arm_facts(config: TitanConfig) -> protocol.ArmFacts:
     """What the checks know of an arm: the MoE layers of its model, each exchanging its tokens whole
-    (one chunk, one buffer set), and the counts forced-balanced routing gives."""
+    or, chunked, in torchtitan's two chunks (one buffer set: torchtitan allocates each exchange's
+    output), and the counts forced-balanced routing gives."""
     from harness.reference.model import get_config
 
     model = get_config(config.model)
     return protocol.ArmFacts(
         moe_layers=tuple(layer for layer in range(model.num_hidden_layers) if model.is_moe_layer(layer)),
-        chunks=1,
+        chunks=1 if config.chunking == "none" else 2,
         num_buffer_sets=1,
         forced_balanced=config.routing == "forced-balanced",
         experts_per_token=model.num_experts_per_tok,
@@ -146,6 +158,7 @@ class Torchtitan(protocol.SubjectBase):
             protocol.TOKEN_EXCHANGE,
         }
     )
+    capabilities = frozenset({protocol.RECORD_OPS})
     train_fields = {f: type(v) for f, v in TitanConfig().__dict__.items()}
     package = "torchtitan"  # what a change check (--base) takes from each revision
 
@@ -172,11 +185,15 @@ class Torchtitan(protocol.SubjectBase):
             if backend != "standard" and tables.device != "cuda":
                 why = f"{backend} runs on CUDA only; on {tables.device}, standard (its all-to-all, local at EP 1)"
                 raise reader.error(f"arms.{name}.moe_comm_backend", why)
-            # Exchanges are taken from the standard all-to-all's: none at EP 1 (local dispatch), nor of another.
-            if (config.ep or arm.ranks) == 1 or backend != "standard":
+            # Exchanges are taken from the standard all-to-all's: none at EP 1 (local dispatch), nor of
+            # another, nor of a traced step, whose dispatcher's Python ran once, at the trace.
+            if (config.ep or arm.ranks) == 1 or backend != "standard" or config.traced:
                 families = tuple(f for f in arm.families if f != protocol.TOKEN_EXCHANGE)
                 arms[name] = dataclasses.replace(arm, families=families)
         return arms
+
+    def record_ops(self, arm: protocol.Arm, recorder: OpRecorder) -> None:
+        arm.record_ops(recorder)
 
     def build(self, context: protocol.ArmContext) -> protocol.Arm:
         if TitanConfig(**context.arm.train).trainer == "model":
