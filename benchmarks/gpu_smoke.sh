@@ -98,9 +98,43 @@ elif [ "$gpus" -ge 2 ]; then
   harness run torchtitan-determinism --ranks 2 --device cuda --steps "$STEPS" --golden off \
     --out "$OUT/torchtitan" >"$OUT/torchtitan.log" 2>&1
   report "torchtitan-determinism: torchtitan's own trainer, FSDP and EP over 2 GPUs (nccl)" $? "$OUT/torchtitan"
+  # torchtitan's EP chunking on CUDA, through MinimalAsyncEP (symmetric memory): not a shipped suite,
+  # since every shipped suite loads on CPU, where that dispatcher is refused.
+  cat >"$OUT/torchtitan-graph-cuda.toml" <<'TOML'
+name = "torchtitan-graph-cuda"
+description = "torchtitan's GraphTrainer: eager vs graph EP chunking over MinimalAsyncEP, exact"
+subject = "torchtitan"
+ranks = 2
+steps = 5
+
+[train]
+trainer = "graph"
+ep = 2
+model = "cpu-tiny"
+routing = "forced-balanced"
+moe_comm_backend = "minimal_async_ep"
+
+[arms.eager]
+chunking = "eager"
+
+[arms.graph]
+chunking = "graph"
+
+[[checks]]
+kind = "exact"
+arms = ["eager", "graph"]
+
+[[checks]]
+kind = "ranks-agree"
+TOML
+  harness run "$OUT/torchtitan-graph-cuda.toml" --ranks 2 --device cuda --steps "$STEPS" --golden off \
+    --out "$OUT/torchtitan-graph" >"$OUT/torchtitan-graph.log" 2>&1
+  report "torchtitan-graph-cuda: its GraphTrainer, eager vs graph EP chunking over MinimalAsyncEP" $? \
+    "$OUT/torchtitan-graph"
 else
   echo "SKIP gpu-gate.yml gate (needs 2 GPUs, $gpus visible)"
   echo "SKIP torchtitan-determinism with torchtitan's own EP (needs 2 GPUs, $gpus visible)"
+  echo "SKIP torchtitan-graph-cuda: its EP chunking over MinimalAsyncEP (needs 2 GPUs, $gpus visible)"
 fi
 echo "logs: $OUT"
 exit $failed
