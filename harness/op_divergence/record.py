@@ -36,7 +36,7 @@ from __future__ import annotations
 import contextlib
 import gc
 import hashlib
-from collections.abc import Callable, Collection
+from collections.abc import Callable, Collection, Iterator
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -44,6 +44,7 @@ import torch
 from torch import fx
 from torch.utils._debug_mode import DebugMode
 from torch.utils._dtype_abbrs import dtype_abbrs
+from torch.utils._python_dispatch import _disable_current_modes
 from torch.utils._pytree import tree_leaves
 from torch.utils.weak import WeakIdKeyDictionary
 
@@ -99,8 +100,13 @@ def json_float(value: float | None) -> float | str | None:
 
 
 def _innermost(node: fx.Node) -> str:
+    """The node's innermost module: from its module stack, or where a tracer kept none (torchtitan's
+    make_fx tracer), from the ``module_fqn`` its modules annotate their nodes with."""
     stack = node.meta.get("nn_module_stack") or {}
-    return next(reversed(stack.values()))[0] if stack else ""
+    if stack:
+        return next(reversed(stack.values()))[0]
+    custom = node.meta.get("custom")
+    return str(custom.get("module_fqn", "")) if isinstance(custom, dict) else ""
 
 
 class _NodeInterpreter(fx.Interpreter):
@@ -165,6 +171,21 @@ class OpRecorder:
         calls = [call for call in self._mode.operators if "op_index" in (call.log or {})]
         self.records = [self._record(call, persisting) for call in calls]
         self._mode, self._writer = None, WeakIdKeyDictionary()  # the call log holds argument strings for every op
+
+    @contextlib.contextmanager
+    def paused(self) -> Iterator[None]:
+        """Its body runs unrecorded: a subject's one-off work inside a step that is not the step's own ops
+        (tracing it, compiling it). The recorder's dispatch mode is set aside, and its module tracker's
+        hooks, which autograd.grad under make_fx must not meet, come off until the body ends."""
+        tracker = self._mode.module_tracker if self._mode is not None else None
+        if tracker is not None:
+            tracker.__exit__()
+        try:
+            with _disable_current_modes():
+                yield
+        finally:
+            if tracker is not None:
+                tracker.__enter__()
 
     def interpret(self, gm: fx.GraphModule) -> Callable[..., Any]:
         """``gm`` as a callable that runs it node by node, so that its ops get their nodes' module

@@ -321,14 +321,13 @@ class TitanTrainerArm(protocol.ArmBase):
         recorder.placeholders |= IN_FLIGHT_OPS
         if not self.config.traced:
             return
-        from torch.utils._python_dispatch import _disable_current_modes
         from torchtitan.experiments.graph_trainer import trainer as graph_trainer
 
         trace, passes = graph_trainer.minimal_fx_tracer, graph_trainer.apply_graph_passes
 
         def unrecorded(call: Any) -> Any:
             def run(*args: Any, **kwargs: Any) -> Any:
-                with _disable_current_modes():
+                with recorder.paused():
                     return call(*args, **kwargs)
 
             return run
