@@ -12,7 +12,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
-from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import TextIO
 
@@ -23,7 +22,6 @@ from harness.phases import cache_notes, read_rank_phases
 from harness.plan import expected_raise
 from harness.prepare import PreparedRun
 from harness.results import REGRESSION
-from harness.specs import ArmSpec
 
 log = logging.getLogger("harness")
 
@@ -52,6 +50,7 @@ def launch_run(run: PreparedRun, launch: GroupLauncher, out: TextIO, err: TextIO
     """Runs the groups of ``run`` with ``launch`` until the first failure; prints its error once the
     live progress is closed, then what the trace cache did where it went wrong."""
     launched, options, kind = Launched(), run.options, run.kind
+    raising = {group.name for group in run.groups if expected_raise(group, run.suite.arms) is not None}
     try:
         with contextlib.closing(kind.progress(run.run_dir, run.groups, out, options.verbose)) as progress:
             deadline = time.monotonic() + options.timeout_s
@@ -63,7 +62,8 @@ def launch_run(run: PreparedRun, launch: GroupLauncher, out: TextIO, err: TextIO
                     result = launch(group, context)
                 log.info("group %s: %s", group.name, result.headline or "ok")
                 launched.results.append(result)
-                raised_as_expected = _raised_as_expected(result, run.suite.arms)
+                # An arm expected to raise that did, from the system under test: its check says so, the others go on.
+                raised_as_expected = group.name in raising and result.verdict and result.verdict.kind == REGRESSION
                 if (not result.ok and not raised_as_expected) or kind.measured_enough(run.run_dir, group):
                     break
     except Cancelled as c:
@@ -72,7 +72,8 @@ def launch_run(run: PreparedRun, launch: GroupLauncher, out: TextIO, err: TextIO
         log.exception("internal error while launching the suite")
         launched.internal_error = f"internal error: {type(e).__name__}: {e}"
     for result in launched.results:
-        if result.error and not _raised_as_expected(result, run.suite.arms):
+        expected = result.group.name in raising and result.verdict and result.verdict.kind == REGRESSION
+        if result.error and not expected:
             print(f"error: {result.error}", file=err)
     launched.rank_phases = {group.name: read_rank_phases(run.run_dir, group.name) for group in run.groups}
     ran_all = len(launched.results) == len(run.groups) and all(r.ok for r in launched.results)
@@ -81,13 +82,3 @@ def launch_run(run: PreparedRun, launch: GroupLauncher, out: TextIO, err: TextIO
         print(line, file=out)
         log.info(line)
     return launched
-
-
-def _raised_as_expected(result: LaunchResult, arms: Mapping[str, ArmSpec]) -> bool:
-    """Whether the launch of an arm expected to raise failed because the system under test raised:
-    its check says how (judge.py), and the other launches go on."""
-    return (
-        expected_raise(result.group, arms) is not None
-        and result.verdict is not None
-        and result.verdict.kind == REGRESSION
-    )
