@@ -117,10 +117,11 @@ def plan_launches(suite: SuiteSpec) -> list[LaunchGroup]:
 
 
 def joined(arms: list[str]) -> str:
-    """A launch group's name, its folder's under logs/: its arms joined by "+", or past a few (a folder's
-    name has at most 255 bytes) the first and how many more; an arm is in one group of a kind."""
+    """A launch group's name, its folder's under logs/: its arms joined by "+", or where that would not
+    fit a folder's name (255 bytes, a suffix such as "@1-4" beside it) the first and how many more; an
+    arm is in one group of a kind, so the name is still the group's own."""
     name = "+".join(arms)
-    return name if len(arms) <= 4 and len(name) <= 160 else f"{arms[0]}+{len(arms) - 1}-more"
+    return name if len(name.encode()) <= 200 else f"{arms[0]}+{len(arms) - 1}-more"
 
 
 def expected_raise(group: LaunchGroup, arms: Mapping[str, ArmSpec]) -> str | None:
