@@ -6,6 +6,7 @@
   same event sequence in two arms;
 * :mod:`~harness.checks.versioned`: the version protocol of a delayed pipeline on its updates;
 * :mod:`~harness.checks.graph`: static checks of the graph a traced arm exported;
+* :mod:`~harness.checks.collectives`: the collectives of a traced torchtitan step, and two arms alike;
 * :mod:`~harness.checks.overlap`: that chunked exchanges really overlap, from a traced arm's graph
   or an eager arm's events;
 * :mod:`~harness.checks.fidelity`: an oracle arm's lockstep records against Hugging Face;
@@ -24,6 +25,7 @@
 
 from harness.checks import (  # noqa: F401  (they register)
     change,
+    collectives,
     exchange,
     fidelity,
     golden,

@@ -139,8 +139,6 @@ def run_arm(
             isa = torch.backends.cpu.get_cpu_capability().lower()
             facts = spec.facts.updated(received.info(arm.info()))
             write_json_atomic(files.arm, {"train": spec.train, "cpu_capability": isa, "facts": facts.to_json()})
-            if spec.emits(GRAPH):
-                write_json_atomic(files.graph, received.graph(arm.graph_export()))
         updates_done, last_update = 0, segment.first_step - 1
         recording = _recording_ops(subject, arm, files, spec.name, steps, ops.capture) if ops is not None else None
         with phases.phase("steps", arm=spec.name) as detail, recording or contextlib.nullcontext() as op_recorder:
@@ -167,6 +165,8 @@ def run_arm(
                 arm.save_checkpoint(files.checkpoint, last)
             return
         with phases.phase("finish", arm=spec.name):
+            if rank == 0 and spec.emits(GRAPH):  # after the steps: a subject may trace at its first
+                write_json_atomic(files.graph, received.graph(arm.graph_export()))
             # The last update's own step: a pipeline's updates trail its batches, so a resumed
             # launch of one makes more updates than it has steps.
             weights = received.final_weights(arm.final_weights()) if spec.emits(FINAL_WEIGHTS) else {}

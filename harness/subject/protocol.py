@@ -242,7 +242,8 @@ class Arm(Protocol):
         """GRAPH: where the traced graph came from and what building it cost (the run's timeline)."""
 
     def graph_export(self) -> Mapping[str, Any]:
-        """GRAPH: the traced step's exchange ops as plain data (``graph.json``)."""
+        """GRAPH: the traced step's exchange ops as plain data (``graph.json``), asked for after the
+        arm's steps (a subject may trace at its first step)."""
 
     def final_weights(self) -> Mapping[int, Mapping[str, torch.Tensor]]:
         """FINAL_WEIGHTS: logical rank -> its parameters by name, for the logical ranks of this process."""

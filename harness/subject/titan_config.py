@@ -42,6 +42,9 @@ class TitanConfig:
     moe_comm_backend: str = "standard"  # the trainer's token dispatcher (COMM_BACKENDS)
     chunking: str = "none"  # the GraphTrainer's EP-overlap chunking (CHUNKINGS)
     chunk_root: str = "layers.*"  # its chunk roots, torchtitan's module pattern (CHUNK_ROOTS)
+    # graph chunking sums the chunks' parameter gradients before FSDP reduces them (torchtitan's default);
+    # false: each chunk's reduced apart, as eager chunking does (its disable_early_grad_accumulation)
+    early_grad_accumulation: bool = True
     seed: int = 42
 
     def __post_init__(self) -> None:
@@ -63,6 +66,8 @@ class TitanConfig:
             raise ValueError(
                 f'chunking: torchtitan chunks in its GraphTrainer (trainer = "graph"), not {self.trainer!r}'
             )
+        if not self.early_grad_accumulation and self.chunking != "graph":
+            raise ValueError("early_grad_accumulation: only torchtitan's graph chunking accumulates early")
         if self.ep < 0 or (self.ep and self.trainer == "model"):
             raise ValueError(f"ep is torchtitan's trainer's expert-parallel degree (0: every rank), got {self.ep}")
         from harness.reference.model import CONFIGS

@@ -219,6 +219,7 @@ def graph_trainer_config(recipe: Any, config: TitanConfig, device: str) -> Any:
         overlap = graph.compile.ep_overlap
         overlap.enabled, overlap.module_fqn = True, config.chunk_root
         overlap.strategy = "graph" if config.chunking == "graph" else "eager"
+        overlap.disable_early_grad_accumulation = not config.early_grad_accumulation
     if device == "cpu":
         graph.compile.disable_passes = list(GPU_ONLY_PASSES)
     if config.chunking == "graph":
@@ -246,6 +247,29 @@ def settle_unbacked_trace_inputs() -> None:
     make_fx_tracer._fakeify_input = fakeify_settled
 
 
+def traced_collectives(gm: torch.fx.GraphModule) -> list[dict[str, Any]]:
+    """The functional collectives of a traced step, with what torchtitan's tracer annotated them with."""
+    collectives = []
+    for node in gm.graph.nodes:
+        op = str(node.target)
+        if node.op != "call_function" or not op.startswith("_c10d_functional.") or "wait_tensor" in op:
+            continue
+        custom = node.meta.get("custom") or {}
+        collectives.append(
+            {
+                "name": node.name,
+                "op": op.split(".")[1],
+                "phase": "bwd" if node.meta.get("autograd_backward") else "fwd",
+                "module": custom.get("module_fqn"),
+                "region": node.meta.get("chunked_region_fqn"),
+                "chunk": node.meta.get("chunk_id"),
+                "role": custom.get("EP"),
+                "waited": any("wait_tensor" in str(user.target) for user in node.users),
+            }
+        )
+    return collectives
+
+
 class TitanTrainerArm(protocol.ArmBase):
     """This process's rank of an arm: torchtitan's Trainer, stepped by the harness."""
 
@@ -262,6 +286,7 @@ class TitanTrainerArm(protocol.ArmBase):
             use_cpu()
         self._dump = tempfile.TemporaryDirectory(prefix="torchtitan-")
         self._restore: list[Callable[[], None]] = []  # what record_ops replaced, put back at close
+        self._graph: torch.fx.GraphModule | None = None  # a recorded traced step's graph, run interpreted
         recipe = trainer_config(self.config, self.world, self._dump.name)
         if self.config.trainer == "graph":
             from torchtitan.experiments.graph_trainer.trainer import GraphTrainer
@@ -311,6 +336,13 @@ class TitanTrainerArm(protocol.ArmBase):
     def info(self) -> protocol.ArmFacts:
         return protocol.ArmFacts(moe_layers=tuple(self.moe_layers))
 
+    def graph_export(self) -> dict[str, list[dict[str, Any]]]:
+        """GRAPH, of a traced arm: each collective of torchtitan's traced step (its functional
+        all-to-alls, all-gathers, reduce-scatters and all-reduces), in graph order, as torchtitan's own
+        annotations place it: the module that issued it, forward or backward, its chunk and chunk
+        region, its EP role (dispatch, combine), and whether a wait reads it."""
+        return {"collectives": traced_collectives(self._graph or self.trainer._traced_step.gm)}
+
     def final_weights(self) -> Mapping[int, Mapping[str, torch.Tensor]]:
         return {self.rank: self._named(lambda p: p)}
 
@@ -332,8 +364,12 @@ class TitanTrainerArm(protocol.ArmBase):
 
             return run
 
+        def interpreted(*args: Any, **kwargs: Any) -> Any:
+            self._graph = unrecorded(passes)(*args, **kwargs)
+            return recorder.interpret(self._graph)
+
         graph_trainer.minimal_fx_tracer = lambda *a, **k: unrecorded(trace(*a, **k))
-        graph_trainer.apply_graph_passes = lambda *a, **k: recorder.interpret(unrecorded(passes)(*a, **k))
+        graph_trainer.apply_graph_passes = interpreted
         self._restore.append(lambda: setattr(graph_trainer, "minimal_fx_tracer", trace))
         self._restore.append(lambda: setattr(graph_trainer, "apply_graph_passes", passes))
 

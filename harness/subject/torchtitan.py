@@ -135,10 +135,15 @@ def arm_facts(config: TitanConfig) -> protocol.ArmFacts:
     from harness.reference.model import get_config
 
     model = get_config(config.model)
+    moe_layers = tuple(layer for layer in range(model.num_hidden_layers) if model.is_moe_layer(layer))
     return protocol.ArmFacts(
-        moe_layers=tuple(layer for layer in range(model.num_hidden_layers) if model.is_moe_layer(layer)),
+        moe_layers=moe_layers,
         chunks=1 if config.chunking == "none" else 2,
         num_buffer_sets=1,
+        # torchtitan's chunk regions (its chunked_region_fqn): one per MoE layer, where the arm chunks
+        chunk_roots=tuple(
+            config.chunk_root.replace("*", str(layer)) for layer in moe_layers if config.chunking != "none"
+        ),
         forced_balanced=config.routing == "forced-balanced",
         experts_per_token=model.num_experts_per_tok,
         tokens_per_step=config.local_batch * config.seq_len,
@@ -156,6 +161,7 @@ class Torchtitan(protocol.SubjectBase):
             protocol.GRADIENT_DIGESTS,
             protocol.FINAL_WEIGHTS,
             protocol.TOKEN_EXCHANGE,
+            protocol.GRAPH,
         }
     )
     capabilities = frozenset({protocol.RECORD_OPS})
@@ -188,8 +194,10 @@ class Torchtitan(protocol.SubjectBase):
             # Exchanges are taken from the standard all-to-all's: none at EP 1 (local dispatch), nor of
             # another, nor of a traced step, whose dispatcher's Python ran once, at the trace.
             if (config.ep or arm.ranks) == 1 or backend != "standard" or config.traced:
-                families = tuple(f for f in arm.families if f != protocol.TOKEN_EXCHANGE)
-                arms[name] = dataclasses.replace(arm, families=families)
+                arms[name] = arm = dataclasses.replace(arm, families=_without(arm, protocol.TOKEN_EXCHANGE))
+            # Only a traced step has a graph: its collectives, from torchtitan's traced step.
+            if not config.traced:
+                arms[name] = dataclasses.replace(arm, families=_without(arm, protocol.GRAPH))
         return arms
 
     def record_ops(self, arm: protocol.Arm, recorder: OpRecorder) -> None:
@@ -199,6 +207,10 @@ class Torchtitan(protocol.SubjectBase):
         if TitanConfig(**context.arm.train).trainer == "model":
             return TitanArm(context)
         return TitanTrainerArm(context)
+
+
+def _without(arm: ArmSpec, family: str) -> tuple[str, ...]:
+    return tuple(f for f in arm.families if f != family)
 
 
 def subject() -> Torchtitan:

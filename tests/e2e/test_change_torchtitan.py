@@ -33,7 +33,7 @@ pytestmark = pytest.mark.skipif(
 ROUTER = Path("torchtitan/models/common/moe.py")
 # The top-k router's normalisation: the ``if self.route_norm:`` block, its body with it.
 NORMALISATION = re.compile(r"\n( +)if self\.route_norm:\n(?:\1 +\S.*\n)+")
-STEPS = ("--steps", 2, "--golden", "off", "--first-op", "off")  # torchtitan's ops are not recorded anyway
+STEPS = ("--steps", 2, "--golden", "off", "--first-op", "off")  # the first op: docs/subjects.md
 CHECKS = ("loss", "grad_norm", "final weights")  # each arm's change checks
 GOLDENS = Path(__file__).resolve().parents[2] / "golden"  # the shipped goldens
 
