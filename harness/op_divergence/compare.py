@@ -14,7 +14,8 @@ with bit-identical outputs. Each op left unaligned is then one of:
 * **opaque**: nothing to compare (no tensor output, or a placeholder of no defined content);
 * **divergent**: it has an output that the other arm never produced;
 * **healed**: divergent, but the difference reaches nothing the run leaves behind (parameters,
-  optimizer state): every path from it through divergent ops ends in a value both arms share, or
+  optimizer state): every path from it through divergent or opaque ops (a collective's placeholder
+  passes a difference on to its wait) ends in a value both arms share, or
   in a host-side check. Eager ``one_hot`` checks its indices with ``aminmax`` and ``item``, and
   the traced graph checks them with ``ge``. Expert gradients summed in another order have
   differing partial sums but the same total. A difference seen only by the host (a loss that is
@@ -117,16 +118,18 @@ def _statuses(records: list[OpRecord], aligned: set[int], other: list[OpRecord])
 
 
 def _mark_healed(records: list[OpRecord], statuses: list[str]) -> None:
-    """Divergent ops whose difference reaches no persisting output through divergent ops become "healed"."""
+    """Divergent ops whose difference reaches no persisting output through divergent or opaque ops
+    become "healed". An opaque op passes a difference on: a collective's output has no content when
+    it is recorded (its wait's has), and FSDP reduce-scatters every gradient before the update."""
     readers: dict[int, list[int]] = {}
     for r in records:
         for source in r.inputs:
             readers.setdefault(source, []).append(r.index)
     live = [False] * len(records)
     for r in reversed(records):  # an op's readers run after it
-        if statuses[r.index] == "divergent":
+        if statuses[r.index] == "divergent" or not _values(r):  # aligned or not, a placeholder shows nothing
             live[r.index] = r.persists or any(live[k] for k in readers.get(r.index, ()))
-            if not live[r.index]:
+            if statuses[r.index] == "divergent" and not live[r.index]:
                 statuses[r.index] = "healed"
 
 

@@ -118,6 +118,31 @@ def test_partial_sums_in_another_order_heal_unless_the_total_differs() -> None:
     assert wrong["diverged"] and pair["a"]["index"] == pair["b"]["index"] == 3  # the partial sum, where they part
 
 
+def test_a_difference_sent_through_a_collective_does_not_heal() -> None:
+    """A forward difference that reaches the update only through a collective's placeholder (FSDP's
+    reduce-scatter of a gradient: no content when recorded) is where the arms part, not healed."""
+
+    def run(activation: str, update: str) -> list[OpRecord]:
+        op = dict(step=0, module="m", backward=False, outputs=("f32[4]",), absmax=(1.0,))
+        return [
+            OpRecord(index=0, op="aten.mul.Tensor", hashes=(activation,), inputs=(), persists=False, **op),
+            OpRecord(
+                index=1,
+                op="_c10d_functional.reduce_scatter_tensor.default",
+                hashes=(None,),
+                inputs=(0,),
+                persists=False,
+                **{**op, "absmax": (None,)},
+            ),
+            OpRecord(
+                index=2, op="_c10d_functional.wait_tensor.default", hashes=(update,), inputs=(1,), persists=True, **op
+            ),
+        ]
+
+    result = describe(compare_ops(run("good", "u1"), run("bad", "u2")))
+    assert result["diverged"] and result["first_difference"]["a"]["index"] == 0  # the mul, not the wait
+
+
 def test_routed_scaling_applied_twice_is_named_at_the_routers_mul() -> None:
     result = divergence(trainer_run(SCALED, STEPS), trainer_run(replace(SCALED, fault="routed-scaling-twice"), STEPS))
     assert result["diverged"] and result["first_op"]["kind"] == "outputs differ"
