@@ -51,6 +51,7 @@ def launch_run(run: PreparedRun, launch: GroupLauncher, out: TextIO, err: TextIO
     live progress is closed, then what the trace cache did where it went wrong."""
     launched, options, kind = Launched(), run.options, run.kind
     raising = {group.name for group in run.groups if expected_raise(group, run.suite.arms) is not None}
+    raised: set[str] = set()  # groups whose arm raised from the system under test, as expected: their check says so
     try:
         with contextlib.closing(kind.progress(run.run_dir, run.groups, out, options.verbose)) as progress:
             deadline = time.monotonic() + options.timeout_s
@@ -64,6 +65,8 @@ def launch_run(run: PreparedRun, launch: GroupLauncher, out: TextIO, err: TextIO
                 launched.results.append(result)
                 # An arm expected to raise that did, from the system under test: its check says so, the others go on.
                 raised_as_expected = group.name in raising and result.verdict and result.verdict.kind == REGRESSION
+                if raised_as_expected:
+                    raised.add(group.name)
                 if (not result.ok and not raised_as_expected) or kind.measured_enough(run.run_dir, group):
                     break
     except Cancelled as c:
@@ -72,8 +75,7 @@ def launch_run(run: PreparedRun, launch: GroupLauncher, out: TextIO, err: TextIO
         log.exception("internal error while launching the suite")
         launched.internal_error = f"internal error: {type(e).__name__}: {e}"
     for result in launched.results:
-        expected = result.group.name in raising and result.verdict and result.verdict.kind == REGRESSION
-        if result.error and not expected:
+        if result.error and result.group.name not in raised:
             print(f"error: {result.error}", file=err)
     launched.rank_phases = {group.name: read_rank_phases(run.run_dir, group.name) for group in run.groups}
     ran_all = len(launched.results) == len(run.groups) and all(r.ok for r in launched.results)

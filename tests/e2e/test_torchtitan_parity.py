@@ -15,18 +15,10 @@ graph chunking, with the graph arm at ``layers.*.moe`` beside it, the same arms 
 
 from __future__ import annotations
 
-import importlib.util
 from pathlib import Path
-
-import pytest
 
 from harness.suites import load_suite
 from tests.suite_files import suite_from
-
-pytestmark = pytest.mark.skipif(
-    importlib.util.find_spec("torchtitan") is None,
-    reason="torchtitan is not installed: pip install -c constraints.txt 'harness[torchtitan]'",
-)
 
 LAYOUT = """
 name = "titan-parity-layout"
